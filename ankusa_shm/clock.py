@@ -1,0 +1,17 @@
+"""The one clock: monotonic, shared by every process on a host, read once per request."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+Clock = Callable[[], int]
+"""Returns monotonic nanoseconds; tests inject their own."""
+
+
+def monotonic_ns() -> int:
+    return time.monotonic_ns()
+
+
+def monotonic_ms() -> int:
+    return time.monotonic_ns() // 1_000_000

@@ -1,0 +1,181 @@
+"""The fleet store's circuit breaker, shared by every process through the segment.
+
+closed   calls are made; each outcome lands in a 32-bucket sliding window. When at least
+         ``min_calls`` calls fell in the last ``window_ms`` and the failed share reached
+         ``failure_rate``, the first process to notice swaps the state word to open.
+open     no calls at all for ``open_ms``; then exactly one process wins the swap to
+         probing and makes the probe call.
+probing  everyone else stays node-local. The probe's success closes the breaker and
+         clears the window; its failure re-opens it. A probe whose process died, or that
+         has run past ``probe_timeout_ms``, is taken over by the next caller.
+
+Every transition is one compare-and-swap on one word holding state, owner pid and the
+time it was entered, so two processes can never both believe they won.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass
+
+from ankusa_shm._atomics import AtomicView
+from ankusa_shm.shm import layout as L
+from ankusa_shm.shm.counters import Counter, CounterRow
+from ankusa_shm.shm.pids import pid_alive
+
+
+class State(enum.IntEnum):
+    CLOSED = 0
+    OPEN = 1
+    PROBING = 2
+
+
+@dataclass(frozen=True)
+class Policy:
+    failure_rate: float
+    min_calls: int
+    window_ms: int
+    open_ms: int
+    probe_timeout_ms: int
+
+
+@dataclass(frozen=True)
+class Permit:
+    """What ``allow`` decided. A probe permit carries the state word it installed, so only
+    that probe can finish it."""
+
+    call: bool
+    probe: bool = False
+    word: int = 0
+
+
+DENY = Permit(call=False)
+CALL = Permit(call=True)
+
+_TRANSITION = {
+    State.OPEN: Counter.BREAKER_TO_OPEN,
+    State.PROBING: Counter.BREAKER_TO_PROBING,
+    State.CLOSED: Counter.BREAKER_TO_CLOSED,
+}
+
+
+def pack(state: State, pid: int, since_ms: int) -> int:
+    return (int(state) << L.BR_STATE_SHIFT) | (pid << L.BR_PID_SHIFT) | (since_ms & L.BR_SINCE_MASK)
+
+
+def unpack(word: int) -> tuple[State, int, int]:
+    return (
+        State(word >> L.BR_STATE_SHIFT),
+        (word >> L.BR_PID_SHIFT) & L.PID_MASK,
+        word & L.BR_SINCE_MASK,
+    )
+
+
+class Breaker:
+    def __init__(
+        self, view: AtomicView, lay: L.Layout, policy: Policy, row: CounterRow | None = None
+    ) -> None:
+        self._view = view
+        self._state = lay.offset("breaker") + L.BR_STATE
+        self._buckets = lay.offset("breaker") + L.BR_BUCKETS
+        self._policy = policy
+        self._width = max(1, -(-policy.window_ms // L.BREAKER_BUCKETS))
+        self._row = row
+        self._pid = os.getpid()
+
+    def state(self) -> State:
+        return State(self._view.load(self._state) >> L.BR_STATE_SHIFT)
+
+    def word(self) -> int:
+        return self._view.load(self._state)
+
+    def allow(self, now_ms: int) -> Permit:
+        """May this caller use the store now, and is its call the probe?"""
+        w = self._view.load(self._state)
+        state = w >> L.BR_STATE_SHIFT
+        if state == State.CLOSED:
+            return CALL
+        elapsed = (now_ms - (w & L.BR_SINCE_MASK)) & L.BR_SINCE_MASK
+        if state == State.OPEN:
+            if elapsed < self._policy.open_ms:
+                return DENY
+        else:
+            owner = (w >> L.BR_PID_SHIFT) & L.PID_MASK
+            if elapsed < self._policy.probe_timeout_ms and (
+                owner == self._pid or pid_alive(owner)
+            ):
+                return DENY
+        new = pack(State.PROBING, self._pid, now_ms)
+        if not self._view.cas(self._state, w, new):
+            return DENY
+        self._count(State.PROBING)
+        return Permit(call=True, probe=True, word=new)
+
+    def record(self, ok: bool, now_ms: int) -> None:
+        """An ordinary (non-probe) call's outcome; a failure may open the breaker."""
+        self._bump(now_ms, failed=not ok)
+        if ok:
+            return
+        w = self._view.load(self._state)
+        if w >> L.BR_STATE_SHIFT != State.CLOSED:
+            return
+        calls, failures = self.window(now_ms)
+        p = self._policy
+        if calls >= p.min_calls and failures >= p.failure_rate * calls:
+            self._swap(w, State.OPEN, now_ms)
+
+    def finish_probe(self, permit: Permit, ok: bool, now_ms: int) -> None:
+        """The probe's outcome: close (and forget the window) or open again. A probe that
+        was taken over meanwhile changes nothing."""
+        if not permit.probe:
+            raise ValueError("finish_probe needs a probe permit")
+        if ok:
+            if self._swap(permit.word, State.CLOSED, now_ms):
+                self.clear_window()
+        else:
+            self._swap(permit.word, State.OPEN, now_ms)
+
+    def window(self, now_ms: int) -> tuple[int, int]:
+        """(calls, failures) in the last ``window_ms``."""
+        epoch = (now_ms // self._width) & L.BK_EPOCH_MASK
+        calls = failures = 0
+        for i in range(L.BREAKER_BUCKETS):
+            w = self._view.load(self._buckets + i * L.WORD)
+            if not w & L.BK_VALID:
+                continue
+            age = (epoch - (w >> L.BK_EPOCH_SHIFT)) & L.BK_EPOCH_MASK
+            if age < L.BREAKER_BUCKETS:
+                calls += w & L.BK_COUNT_MASK
+                failures += (w >> L.BK_FAIL_SHIFT) & L.BK_COUNT_MASK
+        return calls, failures
+
+    def clear_window(self) -> None:
+        for i in range(L.BREAKER_BUCKETS):
+            self._view.store(self._buckets + i * L.WORD, 0)
+
+    def _bump(self, now_ms: int, failed: bool) -> None:
+        epoch_full = now_ms // self._width
+        epoch = epoch_full & L.BK_EPOCH_MASK
+        off = self._buckets + (epoch_full % L.BREAKER_BUCKETS) * L.WORD
+        fresh = L.BK_VALID | (epoch << L.BK_EPOCH_SHIFT) | (failed << L.BK_FAIL_SHIFT) | 1
+        while True:
+            w = self._view.load(off)
+            if w & L.BK_VALID and (w >> L.BK_EPOCH_SHIFT) & L.BK_EPOCH_MASK == epoch:
+                if w & L.BK_COUNT_MASK == L.BK_COUNT_MASK:
+                    return  # a full bucket stops sampling; the share it saw stands
+                new = w + 1 + (failed << L.BK_FAIL_SHIFT)
+            else:
+                new = fresh
+            if self._view.cas(off, w, new):
+                return
+
+    def _swap(self, old: int, to: State, now_ms: int) -> bool:
+        if not self._view.cas(self._state, old, pack(to, 0, now_ms)):
+            return False
+        self._count(to)
+        return True
+
+    def _count(self, to: State) -> None:
+        if self._row is not None:
+            self._row.add(_TRANSITION[to])

@@ -1,0 +1,126 @@
+"""Node-scope rate limits: a GCRA table in the segment, one bucket per tenant.
+
+Open addressing on a 64-bit hash of the tenant id, probing ``GCRA_PROBE`` slots from the
+tenant's home slot. A slot's key word is claimed by compare-and-swap from 0 and never
+emptied again, so a lookup may stop at the first empty slot. When every slot it may use is
+taken, a slot whose bucket has drained (TAT in the past: the same as a fresh bucket) is
+taken over for the new tenant. When none has drained, the hook is admitted unmetered and
+counted: a full table never refuses a hook.
+
+The TAT word carries a tag of its tenant's hash (see layout.py): a word with another tag
+is a fresh bucket for whoever now owns the key, and a process still updating the old
+tenant's bucket fails its compare-and-swap instead of charging the new one.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+
+from ankusa_shm._atomics import AtomicView
+from ankusa_shm.limits import MAX_SPAN_US, Limit, retry_ms
+from ankusa_shm.shm import layout as L
+from ankusa_shm.shm.counters import Counter, CounterRow
+
+_MOD = L.GCRA_TAT_MASK + 1
+_HALF = _MOD >> 1
+
+
+@functools.lru_cache(maxsize=8192)
+def tenant_hash(tenant: str) -> tuple[int, int]:
+    """(key, tag): a stable non-zero 63-bit hash (Python's hash() differs per process) and
+    its non-zero 14-bit tag."""
+    h = int.from_bytes(hashlib.blake2b(tenant.encode(), digest_size=8).digest(), "little")
+    h &= (1 << 63) - 1
+    h = h or 1
+    return h, ((h >> L.GCRA_TAG_SHIFT) & L.GCRA_TAG_MASK) or 1
+
+
+def _lead(word: int, tag: int, now_us: int) -> int:
+    """How far the bucket's TAT is ahead of now (<= 0: drained). Another tag, or a lead no
+    limit could produce (a word older than half the 49-bit clock), is a fresh bucket."""
+    if word >> L.GCRA_TAG_SHIFT != tag:
+        return 0
+    d = ((word & L.GCRA_TAT_MASK) - now_us) & L.GCRA_TAT_MASK
+    if d >= _HALF:
+        return 0  # in the past
+    return d if d <= MAX_SPAN_US else 0
+
+
+class GcraTable:
+    def __init__(self, view: AtomicView, lay: L.Layout, row: CounterRow | None = None) -> None:
+        self._view = view
+        self._base = lay.offset("gcra")
+        self.slots = lay.params.gcra_slots
+        self._row = row
+
+    def take(self, tenant: str, limit: Limit, now_us: int) -> int:
+        """Charge one hook: 0 if admitted, else milliseconds to wait (>= 1)."""
+        key, tag = tenant_hash(tenant)
+        v = self._view
+        while True:
+            off = self._find(key, now_us)
+            if off < 0:
+                if self._row is not None:
+                    self._row.add(Counter.LIMITER_TABLE_FULL)
+                return 0
+            w = v.load(off + L.GS_TAT)
+            lead = _lead(w, tag, now_us) + limit.interval_us
+            if lead > limit.span_us:
+                return retry_ms(lead - limit.span_us)
+            new = (tag << L.GCRA_TAG_SHIFT) | ((now_us + lead) & L.GCRA_TAT_MASK)
+            if v.cas(off + L.GS_TAT, w, new):
+                return 0
+
+    def reset(self, tenant: str) -> bool:
+        """Forget the tenant's bucket (its limit changed); False if it had none."""
+        key, tag = tenant_hash(tenant)
+        off = self._lookup(key)
+        if off < 0:
+            return False
+        self._view.store(off + L.GS_TAT, 0)
+        return True
+
+    def usage(self, now_us: int) -> tuple[int, int]:
+        """(slots holding a tenant, of which still filling: TAT ahead of now)."""
+        used = busy = 0
+        for i in range(self.slots):
+            off = self._base + i * L.GCRA_SLOT_BYTES
+            key = self._view.load(off + L.GS_KEY)
+            if key:
+                used += 1
+                tag = ((key >> L.GCRA_TAG_SHIFT) & L.GCRA_TAG_MASK) or 1
+                if _lead(self._view.load(off + L.GS_TAT), tag, now_us) > 0:
+                    busy += 1
+        return used, busy
+
+    def _lookup(self, key: int) -> int:
+        home = key % self.slots
+        for i in range(L.GCRA_PROBE):
+            off = self._base + ((home + i) % self.slots) * L.GCRA_SLOT_BYTES
+            k = self._view.load(off + L.GS_KEY)
+            if k == key:
+                return off
+            if k == 0:
+                return -1
+        return -1
+
+    def _find(self, key: int, now_us: int) -> int:
+        """The tenant's slot, claiming an empty or drained one if need be; -1 if none."""
+        v, home = self._view, key % self.slots
+        for i in range(L.GCRA_PROBE):
+            off = self._base + ((home + i) % self.slots) * L.GCRA_SLOT_BYTES
+            k = v.load(off)
+            if k == key:
+                return off
+            if k == 0 and (v.cas(off, 0, key) or v.load(off) == key):
+                return off
+        for i in range(L.GCRA_PROBE):
+            off = self._base + ((home + i) % self.slots) * L.GCRA_SLOT_BYTES
+            k = v.load(off)
+            if k == key:
+                return off
+            ktag = ((k >> L.GCRA_TAG_SHIFT) & L.GCRA_TAG_MASK) or 1
+            if _lead(v.load(off + L.GS_TAT), ktag, now_us) <= 0 and v.cas(off, k, key):
+                return off
+        return -1

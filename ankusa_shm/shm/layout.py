@@ -1,0 +1,203 @@
+"""The shared-memory segment's layout: the one place that says where every byte lives.
+
+Every process of one ankusa-shm instance -- supervisor, request workers, the drainer, and
+read-only tools such as ``inspect`` -- maps one named POSIX segment. This module defines
+its bytes; the modules beside it (``breaker``, ``settle_queue``, ``gcra``, ...) only
+operate on the offsets given here.
+
+Regions, in order, each aligned to a 128-byte line (two x86 cache lines, so the adjacent-
+line prefetcher never makes two regions or two writers share a line):
+
+    header       magic, layout version, sizes, region table, owner pid/birth, ready flag
+    config       a JSON snapshot of the effective configuration (seqlock: generation word,
+                 length word, bytes); written by the supervisor only
+    breaker      one packed state word; 32 time buckets of the sliding call window
+    degraded     per kind (rate_limit, dedupe): a flag word and a last-warned word
+    archive      the fold word, then one total per counter for processes that have gone
+    processes    one 128-byte slot per process: header word, start time, heartbeat
+    counters     one padded row of counters per process slot, summed on read
+    queue        settle queue: enqueue and dequeue positions on lines of their own,
+                 the consumer's pid, then fixed-size slots (sequence word + record)
+    gcra         node-scope rate limits: per tenant a key word and a tagged TAT word
+
+Who writes what. The supervisor writes the header and config. Any process that claims a
+process slot writes that slot and its counter row (fetch-add), the breaker, the degraded
+flags, the GCRA table and the queue's enqueue side. Only the drainer (the queue's single
+consumer, named by its pid) advances the dequeue side. Readers write nothing.
+
+Memory ordering. Every word is a naturally aligned signed 64-bit integer touched only
+through ``_atomics`` (sequentially consistent load/store/fetch-add/compare-and-swap). Byte
+payloads (config JSON, queue records) are plain copies that are published by a later
+atomic store of a word and read after an atomic load of it, so a reader that sees the
+word sees the bytes.
+
+How a reader knows a slot is whole -- two words are not one:
+
+* breaker: state, owner pid and since-time are packed in one word; window buckets pack
+  epoch, failures and calls in one word. No breaker fact spans two words.
+* process slot: the header word (role, state, pid) is written last by a claimer; a reader
+  takes a slot as whole when the header word reads the same before and after the rest.
+* GCRA slot: the key word holds the tenant's hash; the TAT word carries a 14-bit tag of
+  that hash beside the time. A TAT word whose tag is not the key's tag belongs to a slot
+  being (re)assigned and means a fresh bucket; a stale compare-and-swap from a process
+  that still believes in the old tenant fails because the tag changed.
+* queue slot: the record is whole once its sequence word says "published" (Vyukov).
+* counters: the fold word changes around every fold of a dead process's row into the
+  archive; a reader sums again if it changed while summing.
+
+Times are monotonic (CLOCK_MONOTONIC is one clock for every process on a host) in ms,
+or in microseconds for GCRA; wall-clock nanoseconds appear only in the header and in
+process start times, for people.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, fields
+
+MAGIC = int.from_bytes(b"ANKUSHM\x01", "little")
+LAYOUT_VERSION = 1
+LINE = 128
+WORD = 8
+PID_BITS = 22  # Linux's pid_max is at most 2**22
+PID_MASK = (1 << PID_BITS) - 1
+
+# -- header: word offsets ---------------------------------------------------------------
+HEADER_BYTES = 4096
+H_MAGIC = 0
+H_VERSION = 8
+H_TOTAL_SIZE = 16
+H_READY = 24
+H_OWNER_PID = 32
+H_OWNER_BIRTH_NS = 40  # wall clock, ns: with the pid it tells one supervisor from the next
+H_CREATED_NS = 48  # wall clock, ns, when the segment itself was created
+H_PARAMS = 64  # the Params fields, one word each, in declaration order
+H_REGIONS = 256  # (offset, size) word pairs, one per region in REGIONS order
+
+REGIONS = ("config", "breaker", "degraded", "archive", "processes", "counters", "queue", "gcra")
+
+# -- config snapshot ----------------------------------------------------------------------
+CONFIG_BYTES = 16384
+CF_GENERATION = 0  # odd while the supervisor rewrites it
+CF_LENGTH = 8
+CF_DATA = 16
+
+# -- breaker --------------------------------------------------------------------------------
+BREAKER_BUCKETS = 32
+BR_STATE = 0
+BR_BUCKETS = LINE  # BREAKER_BUCKETS words
+# State word: state (2 bits) | owner pid (22 bits) | since, monotonic ms (39 bits).
+BR_STATE_SHIFT = 61
+BR_PID_SHIFT = 39
+BR_SINCE_MASK = (1 << 39) - 1
+# Bucket word: valid (1 bit) | epoch (30 bits) | failures (16 bits) | calls (16 bits).
+BK_VALID = 1 << 62
+BK_EPOCH_SHIFT = 32
+BK_EPOCH_MASK = (1 << 30) - 1
+BK_FAIL_SHIFT = 16
+BK_COUNT_MASK = 0xFFFF
+
+# -- degraded flags -----------------------------------------------------------------------
+KINDS = ("rate_limit", "dedupe")
+DG_FLAG = 0  # within each kind's line
+DG_WARNED_MS = 8  # monotonic ms of the last warning, 0 = never
+
+# -- counter archive ------------------------------------------------------------------------
+AR_FOLD = 0  # version << PID_BITS | pid of the process folding now (0 = none)
+AR_TOTALS = LINE
+
+# -- process slots --------------------------------------------------------------------------
+PROCESS_SLOT_BYTES = LINE
+PS_HEADER = 0  # role << 40 | state << 32 | pid
+PS_STARTED_NS = 8  # wall clock
+PS_HEARTBEAT_MS = 16  # monotonic
+PS_CLAIMS = 24  # how many times this slot was claimed (a new process => a new value)
+
+# -- settle queue ---------------------------------------------------------------------------
+Q_ENQUEUE = 0
+Q_DEQUEUE = LINE
+Q_CONSUMER = LINE + 8  # pid of the one consumer
+Q_SLOTS = 2 * LINE
+QUEUE_SLOT_BYTES = 512
+QS_SEQ = 0
+QS_RECORD = 8
+# A reserved slot's sequence word with this bit set: its producer is copying the record.
+QS_WRITING = 1 << 62
+# Record: op, hook-id length, key length, dedupe ttl ms, claimed-at ms, enqueued-at ms,
+# token; then the Redis key and the hook id bytes.
+RECORD = struct.Struct("<BBH4xqqq16s")
+RECORD_MAX_PAYLOAD = QUEUE_SLOT_BYTES - QS_RECORD - RECORD.size
+
+# -- GCRA table -----------------------------------------------------------------------------
+GCRA_SLOT_BYTES = 16
+GS_KEY = 0  # the tenant's 64-bit hash (never 0); 0 = empty slot
+GS_TAT = 8  # tag (14 bits) << 49 | theoretical arrival time, monotonic us, mod 2**49
+GCRA_TAG_SHIFT = 49
+GCRA_TAG_MASK = (1 << 14) - 1
+GCRA_TAT_MASK = (1 << 49) - 1
+GCRA_PROBE = 16  # slots looked at from a tenant's home slot
+
+
+@dataclass(frozen=True)
+class Params:
+    """The sizes a segment is built with; two processes agree on a layout iff these match."""
+
+    counters: int  # len(counters.Counter): adding a counter changes the layout
+    queue_capacity: int = 50_000
+    gcra_slots: int = 65_536
+    process_slots: int = 256
+
+    def check(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or v < 1 or v > 1 << 32:
+                raise ValueError(f"segment parameter {f.name}={v!r} is out of range")
+
+
+def _up(n: int, to: int = LINE) -> int:
+    return (n + to - 1) // to * to
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Offsets and sizes of every region, derived from Params by ``Layout.of``."""
+
+    params: Params
+    regions: dict[str, tuple[int, int]]
+    total_size: int
+    counter_row: int  # bytes per process row of counters, padded to LINE
+
+    @classmethod
+    def of(cls, params: Params) -> Layout:
+        params.check()
+        counter_row = _up(params.counters * WORD)
+        sizes = {
+            "config": CONFIG_BYTES,
+            "breaker": BR_BUCKETS + BREAKER_BUCKETS * WORD,
+            "degraded": len(KINDS) * LINE,
+            "archive": AR_TOTALS + counter_row,
+            "processes": params.process_slots * PROCESS_SLOT_BYTES,
+            "counters": params.process_slots * counter_row,
+            "queue": Q_SLOTS + params.queue_capacity * QUEUE_SLOT_BYTES,
+            "gcra": params.gcra_slots * GCRA_SLOT_BYTES,
+        }
+        regions: dict[str, tuple[int, int]] = {}
+        at = HEADER_BYTES
+        for name in REGIONS:
+            regions[name] = (at, _up(sizes[name]))
+            at += _up(sizes[name])
+        return cls(params, regions, _up(at, 4096), counter_row)
+
+    def offset(self, region: str) -> int:
+        return self.regions[region][0]
+
+
+def param_offsets() -> dict[str, int]:
+    """Header offset of each Params field."""
+    return {f.name: H_PARAMS + i * WORD for i, f in enumerate(fields(Params))}
+
+
+def region_offsets(name: str) -> tuple[int, int]:
+    """Header offsets of the (offset, size) words that describe region ``name``."""
+    i = REGIONS.index(name)
+    return H_REGIONS + 2 * i * WORD, H_REGIONS + (2 * i + 1) * WORD

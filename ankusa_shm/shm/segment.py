@@ -1,0 +1,302 @@
+"""Create, attach to and remove the named POSIX shared-memory segment.
+
+Only the supervisor creates, re-attaches as owner, or unlinks; children attach read-write;
+tools attach read-only (``O_RDONLY`` + ``PROT_READ``), which works for a user who may only
+read the segment and can never write to it. ``close()`` is this process letting go;
+``unlink()`` removes the name for everyone and is the owner's job, once.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import time
+from dataclasses import dataclass
+
+import posix_ipc
+
+from ankusa_shm._atomics import AtomicView
+from ankusa_shm.shm import layout as L
+from ankusa_shm.shm.counters import Counter
+from ankusa_shm.shm.pids import pid_alive
+
+log = logging.getLogger("ankusa_shm.segment")
+
+DEFAULT_NAME = "ankusa-shm"
+_READY_WAIT_S = 2.0
+
+
+class SegmentError(Exception):
+    """A segment that cannot be used; the message says which and why, in one line."""
+
+
+class SegmentMissing(SegmentError):
+    pass
+
+
+class ForeignSegment(SegmentError):
+    """Not an ankusa-shm segment at all (wrong magic or too small to hold a header)."""
+
+
+class LayoutMismatch(SegmentError):
+    """An ankusa-shm segment of another layout version or other sizes."""
+
+
+class CorruptSegment(SegmentError):
+    """Claims to be ours, but its header contradicts itself or its size."""
+
+
+class SegmentInUse(SegmentError):
+    """Another live supervisor owns the segment."""
+
+
+def shm_name(name: str) -> str:
+    """POSIX names are '/x' with no other slash; accept 'x' or '/x'."""
+    bare = name.removeprefix("/")
+    if not bare or "/" in bare or len(bare) > 250:
+        raise SegmentError(f"invalid segment name {name!r}: one path component, 1-250 chars")
+    return "/" + bare
+
+
+def make_params(
+    queue_capacity: int = 50_000, gcra_slots: int = 65_536, process_slots: int = 256
+) -> L.Params:
+    """Params for this build: the counter count is the build's, the sizes the config's."""
+    return L.Params(
+        counters=len(Counter),
+        queue_capacity=queue_capacity,
+        gcra_slots=gcra_slots,
+        process_slots=process_slots,
+    )
+
+
+@dataclass(frozen=True)
+class Header:
+    version: int
+    total_size: int
+    ready: bool
+    owner_pid: int
+    owner_birth_ns: int
+    created_ns: int
+    params: L.Params
+
+
+class Segment:
+    """One process's mapping of the segment: ``view`` for words, ``buf`` for bytes."""
+
+    # Class-level defaults so close() works after a constructor that failed halfway.
+    _mmap: mmap.mmap | None = None
+    _view: AtomicView | None = None
+    _buf: memoryview | None = None
+
+    def __init__(self, name: str, mm: mmap.mmap, lay: L.Layout, readonly: bool) -> None:
+        self.name = name
+        self._mmap = mm
+        self.layout = lay
+        self.readonly = readonly
+        self._buf = memoryview(mm)
+        self._view = AtomicView(mm)
+
+    @property
+    def view(self) -> AtomicView:
+        if self._view is None:
+            raise SegmentError(f"segment {self.name} is closed")
+        return self._view
+
+    @property
+    def buf(self) -> memoryview:
+        if self._buf is None:
+            raise SegmentError(f"segment {self.name} is closed")
+        return self._buf
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, name: str, params: L.Params) -> Segment:
+        """Create a new segment (fails if the name exists), initialised and marked ready."""
+        lay = L.Layout.of(params)
+        try:
+            shm = posix_ipc.SharedMemory(
+                shm_name(name), posix_ipc.O_CREX, mode=0o600, size=lay.total_size
+            )
+        except posix_ipc.ExistentialError:
+            raise SegmentError(f"segment {shm_name(name)} already exists") from None
+        try:
+            os.fchmod(shm.fd, 0o600)  # shm_open's mode is filtered by the umask
+            mm = mmap.mmap(shm.fd, lay.total_size)
+        finally:
+            shm.close_fd()
+        seg = cls(shm_name(name), mm, lay, readonly=False)
+        seg._initialise()
+        return seg
+
+    @classmethod
+    def attach(cls, name: str, *, readonly: bool = False) -> Segment:
+        """Attach to an existing, ready segment whose header this build understands."""
+        path = shm_name(name)
+        try:
+            shm = posix_ipc.SharedMemory(path, read_only=readonly)
+        except posix_ipc.ExistentialError:
+            raise SegmentMissing(f"no segment named {path} (is ankusa-shm running?)") from None
+        except posix_ipc.PermissionsError:
+            raise SegmentError(f"no permission to open segment {path}") from None
+        try:
+            size = os.fstat(shm.fd).st_size
+            if size < L.HEADER_BYTES:
+                raise ForeignSegment(
+                    f"segment {path} is {size} bytes, too small for an ankusa-shm header"
+                )
+            access = mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE
+            mm = mmap.mmap(shm.fd, size, access=access)
+        finally:
+            shm.close_fd()
+        try:
+            lay = _validate(path, mm, size)
+        except BaseException:
+            mm.close()
+            raise
+        return cls(path, mm, lay, readonly)
+
+    @classmethod
+    def open_for_owner(cls, name: str, params: L.Params) -> Segment:
+        """The supervisor's entry: re-attach to a matching segment left by a dead owner, or
+        replace an unusable one (logging what is lost), or create a fresh one."""
+        path = shm_name(name)
+        try:
+            seg = cls.attach(path)
+        except SegmentMissing:
+            return cls.create(path, params)
+        except SegmentError as e:
+            log.warning("replacing segment %s: %s; anything queued in it is lost", path, e)
+            unlink(path)
+            return cls.create(path, params)
+        hdr = seg.header()
+        if hdr.owner_pid != os.getpid() and pid_alive(hdr.owner_pid):
+            seg.close()
+            raise SegmentInUse(f"segment {path} is owned by live process {hdr.owner_pid}")
+        if hdr.params != params:
+            lost = seg.queue_depth()
+            seg.close()
+            log.warning(
+                "replacing segment %s: built with %s, now %s; %d queued settle operations lost",
+                path,
+                hdr.params,
+                params,
+                lost,
+            )
+            unlink(path)
+            return cls.create(path, params)
+        seg._take_ownership()
+        log.info("re-attached segment %s; %d queued settle operations kept", path, seg.queue_depth())
+        return seg
+
+    def close(self) -> None:
+        """Unmap in this process; idempotent."""
+        if self._view is not None:
+            self._view.release()
+            self._view = None
+        if self._buf is not None:
+            self._buf.release()
+            self._buf = None
+        if self._mmap is not None:
+            self._mmap.close()
+            self._mmap = None
+
+    def __enter__(self) -> Segment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- header -------------------------------------------------------------------------
+
+    def header(self) -> Header:
+        v = self.view
+        return Header(
+            version=v.load(L.H_VERSION),
+            total_size=v.load(L.H_TOTAL_SIZE),
+            ready=v.load(L.H_READY) == 1,
+            owner_pid=v.load(L.H_OWNER_PID),
+            owner_birth_ns=v.load(L.H_OWNER_BIRTH_NS),
+            created_ns=v.load(L.H_CREATED_NS),
+            params=_read_params(v),
+        )
+
+    def queue_depth(self) -> int:
+        base = self.layout.offset("queue")
+        return max(0, self.view.load(base + L.Q_ENQUEUE) - self.view.load(base + L.Q_DEQUEUE))
+
+    def _initialise(self) -> None:
+        v, lay = self.view, self.layout
+        now = time.time_ns()
+        v.store(L.H_MAGIC, L.MAGIC)
+        v.store(L.H_VERSION, L.LAYOUT_VERSION)
+        v.store(L.H_TOTAL_SIZE, lay.total_size)
+        v.store(L.H_CREATED_NS, now)
+        for fname, off in L.param_offsets().items():
+            v.store(off, getattr(lay.params, fname))
+        for region, (offset, size) in lay.regions.items():
+            o_off, o_size = L.region_offsets(region)
+            v.store(o_off, offset)
+            v.store(o_size, size)
+        q = lay.offset("queue") + L.Q_SLOTS
+        for i in range(lay.params.queue_capacity):
+            v.store(q + i * L.QUEUE_SLOT_BYTES + L.QS_SEQ, i)
+        self._take_ownership(now)
+
+    def _take_ownership(self, birth_ns: int | None = None) -> None:
+        v = self.view
+        v.store(L.H_OWNER_PID, os.getpid())
+        v.store(L.H_OWNER_BIRTH_NS, birth_ns or time.time_ns())
+        v.store(L.H_READY, 1)
+
+
+def unlink(name: str) -> bool:
+    """Remove the name (mappings stay valid until closed). False if it was already gone."""
+    try:
+        posix_ipc.unlink_shared_memory(shm_name(name))
+    except posix_ipc.ExistentialError:
+        return False
+    return True
+
+
+def _read_params(v: AtomicView) -> L.Params:
+    return L.Params(**{name: v.load(off) for name, off in L.param_offsets().items()})
+
+
+def _validate(path: str, mm: mmap.mmap, size: int) -> L.Layout:
+    v = AtomicView(mm)
+    try:
+        if v.load(L.H_MAGIC) != L.MAGIC:
+            raise ForeignSegment(f"segment {path} is not an ankusa-shm segment (bad magic)")
+        version = v.load(L.H_VERSION)
+        if version != L.LAYOUT_VERSION:
+            raise LayoutMismatch(
+                f"segment {path} has layout version {version}; "
+                f"this build reads version {L.LAYOUT_VERSION}"
+            )
+        deadline = time.monotonic() + _READY_WAIT_S
+        while v.load(L.H_READY) != 1:
+            if time.monotonic() > deadline:
+                raise CorruptSegment(f"segment {path} never became ready (creator died?)")
+            time.sleep(0.01)
+        try:
+            lay = L.Layout.of(_read_params(v))
+        except ValueError as e:
+            raise CorruptSegment(f"segment {path}: {e}") from None
+        if lay.params.counters != len(Counter):
+            raise LayoutMismatch(
+                f"segment {path} has {lay.params.counters} counters; this build has {len(Counter)}"
+            )
+        if v.load(L.H_TOTAL_SIZE) != lay.total_size or size < lay.total_size:
+            raise CorruptSegment(
+                f"segment {path} is {size} bytes; its header describes {lay.total_size}"
+            )
+        for region, (offset, rsize) in lay.regions.items():
+            o_off, o_size = L.region_offsets(region)
+            if (v.load(o_off), v.load(o_size)) != (offset, rsize):
+                raise CorruptSegment(f"segment {path}: region table entry {region!r} is wrong")
+        return lay
+    finally:
+        v.release()
