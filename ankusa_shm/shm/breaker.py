@@ -102,9 +102,7 @@ class Breaker:
                 return DENY
         else:
             owner = (w >> L.BR_PID_SHIFT) & L.PID_MASK
-            if elapsed < self._policy.probe_timeout_ms and (
-                owner == self._pid or pid_alive(owner)
-            ):
+            if elapsed < self._policy.probe_timeout_ms and (owner == self._pid or pid_alive(owner)):
                 return DENY
         new = pack(State.PROBING, self._pid, now_ms)
         if not self._view.cas(self._state, w, new):

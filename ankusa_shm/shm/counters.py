@@ -149,4 +149,3 @@ def totals(view: AtomicView, lay: L.Layout, patience_s: float = 0.2) -> dict[Cou
         if stable or time.monotonic() > deadline:
             return out
         time.sleep(0.001)
-

@@ -74,7 +74,7 @@ class GcraTable:
 
     def reset(self, tenant: str) -> bool:
         """Forget the tenant's bucket (its limit changed); False if it had none."""
-        key, tag = tenant_hash(tenant)
+        key, _ = tenant_hash(tenant)
         off = self._lookup(key)
         if off < 0:
             return False

@@ -144,4 +144,3 @@ def read(view: AtomicView, lay: L.Layout) -> list[ProcessInfo]:
                 out.append(info)
                 break
     return out
-

@@ -8,6 +8,7 @@ read the segment and can never write to it. ``close()`` is this process letting 
 
 from __future__ import annotations
 
+import json
 import logging
 import mmap
 import os
@@ -188,7 +189,9 @@ class Segment:
             unlink(path)
             return cls.create(path, params)
         seg._take_ownership()
-        log.info("re-attached segment %s; %d queued settle operations kept", path, seg.queue_depth())
+        log.info(
+            "re-attached segment %s; %d queued settle operations kept", path, seg.queue_depth()
+        )
         return seg
 
     def close(self) -> None:
@@ -222,6 +225,36 @@ class Segment:
             created_ns=v.load(L.H_CREATED_NS),
             params=_read_params(v),
         )
+
+    def write_config(self, snapshot: dict[str, object]) -> None:
+        """Publish the effective configuration for readers (supervisor only)."""
+        data = json.dumps(snapshot, sort_keys=True, separators=(",", ":")).encode()
+        if len(data) > L.CONFIG_BYTES - L.CF_DATA:
+            data = json.dumps({"truncated": True}).encode()
+        base = self.layout.offset("config")
+        v = self.view
+        gen = v.load(base + L.CF_GENERATION)
+        v.store(base + L.CF_GENERATION, gen | 1)
+        self.buf[base + L.CF_DATA : base + L.CF_DATA + len(data)] = data
+        v.store(base + L.CF_LENGTH, len(data))
+        v.store(base + L.CF_GENERATION, (gen | 1) + 1)
+
+    def read_config(self) -> dict[str, object]:
+        """The published configuration snapshot; {} if none was written."""
+        base = self.layout.offset("config")
+        v = self.view
+        for _ in range(100):
+            gen = v.load(base + L.CF_GENERATION)
+            n = min(v.load(base + L.CF_LENGTH), L.CONFIG_BYTES - L.CF_DATA)
+            data = bytes(self.buf[base + L.CF_DATA : base + L.CF_DATA + n])
+            if gen & 1 == 0 and v.load(base + L.CF_GENERATION) == gen:
+                try:
+                    loaded = json.loads(data) if data else {}
+                except ValueError:
+                    return {}
+                return loaded if isinstance(loaded, dict) else {}
+            time.sleep(0.001)
+        return {}
 
     def queue_depth(self) -> int:
         base = self.layout.offset("queue")

@@ -1,0 +1,5 @@
+import sys
+
+from ankusa_shm.cli import main
+
+sys.exit(main())

@@ -1,0 +1,60 @@
+"""The ``ankusa-shm`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from ankusa_shm import config, inspect
+from ankusa_shm.shm.segment import DEFAULT_NAME
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, not {text}")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ankusa-shm", description="Webhook edge for bare-metal hosts.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("check-config", help="validate a config file without starting")
+    c.add_argument("file", nargs="?", help="TOML file (omit with --list)")
+    c.add_argument("--list", action="store_true", help="list every setting with its default")
+
+    i = sub.add_parser("inspect", help="show a live segment (read-only)")
+    i.add_argument("--name", default=DEFAULT_NAME, help=f"segment name (default {DEFAULT_NAME})")
+    i.add_argument("--json", action="store_true", help="one JSON document per view")
+    i.add_argument("--watch", type=_positive, metavar="SECONDS", help="redraw every SECONDS")
+    i.add_argument("--list", action="store_true", help="list every figure and what it means")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.command == "check-config":
+        return _check_config(args.file, args.list)
+    if args.list:
+        return inspect.list_figures()
+    return inspect.run(args.name, args.json, args.watch)
+
+
+def _check_config(file: str | None, list_settings: bool) -> int:
+    if list_settings:
+        for key, default, doc in config.describe():
+            print(f"{key:<34} {default:<28} {doc}")
+        return 0
+    if not file:
+        print("ankusa-shm check-config: give a FILE (or --list)", file=sys.stderr)
+        return 2
+    try:
+        cfg = config.load(file)
+    except config.ConfigError as e:
+        print(f"ankusa-shm: {e}", file=sys.stderr)
+        return 1
+    kinds = ", ".join(cfg.fleet_kinds) or "none"
+    print(f"{file}: ok ({len(cfg.sources)} sources; fleet kinds: {kinds})")
+    return 0

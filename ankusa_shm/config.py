@@ -1,0 +1,368 @@
+"""Configuration: every setting declared once, as a typed field with its default and doc.
+
+``load(path)`` reads one TOML file and builds a frozen ``Config`` through one generic
+converter driven by these declarations; ``defaults()`` is the embedded configuration a
+newcomer runs with. Any problem -- an unknown key, a wrong type, a value out of range -- is
+a ``ConfigError`` naming the file and the key. Nothing here logs, exits or reads the
+environment: secrets are named here (``secret_env``, ``password_file``, ...) and read by
+the process that needs them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import tomllib
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from ankusa_shm.limits import Limit
+
+Scope = Literal["node", "fleet"]
+Check = Callable[[Any], str | None]  # returns what is wrong, or None
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+class ConfigError(Exception):
+    """One line: ``file: key: what is wrong``."""
+
+
+def setting(default: Any, doc: str, check: Check | None = None) -> Any:
+    """Declare a setting: its default, one line of doc, and an optional check."""
+    kw: dict[str, Any] = {"metadata": {"doc": doc, "check": check}}
+    if isinstance(default, list | dict):
+        kw["default_factory"] = lambda: type(default)(default)
+    else:
+        kw["default"] = default
+    return field(**kw)
+
+
+def required(doc: str, check: Check | None = None) -> Any:
+    return field(metadata={"doc": doc, "check": check})
+
+
+def at_least(n: float) -> Check:
+    return lambda v: None if v >= n else f"must be at least {n}"
+
+
+def between(lo: float, hi: float) -> Check:
+    return lambda v: None if lo <= v <= hi else f"must be between {lo} and {hi}"
+
+
+def _name(v: str) -> str | None:
+    return None if _NAME.match(v) else "must be 1-64 characters of A-Z a-z 0-9 _ . -"
+
+
+def _address(v: str) -> str | None:
+    host, sep, port = v.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return f"{v!r} is not host:port"
+    return None
+
+
+def _addresses(v: list[str]) -> str | None:
+    if not v:
+        return "needs at least one address"
+    return next((e for e in map(_address, v) if e), None)
+
+
+def _redis_url(v: str) -> str | None:
+    parts = urlsplit(v)
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        return f"scheme {parts.scheme!r} is not redis://, rediss:// or unix://"
+    if parts.password:
+        return "must not carry a password; use fleet.password_env or fleet.password_file"
+    return None
+
+
+# -- sections ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Server:
+    listen: list[str] = setting(["127.0.0.1:8080"], "Addresses for hooks.", _addresses)
+    workers: int = setting(0, "Request workers; 0 = one per CPU.", between(0, 256))
+    admin_listen: str = setting(
+        "127.0.0.1:9180", "Address of /metrics /healthz /readyz (loopback).", _address
+    )
+    max_body_bytes: int = setting(1_048_576, "Largest hook body accepted.", at_least(1))
+    segment: str = setting("ankusa-shm", "Name of the shared-memory segment.", _name)
+
+
+@dataclass(frozen=True)
+class Store:
+    path: str = setting("var/hooks.db", "The host's durable hook store (SQLite).")
+    durability: Literal["fsync", "os"] = setting(
+        "fsync", "fsync: each commit batch is on disk; os: left to the OS."
+    )
+
+
+@dataclass(frozen=True)
+class LimitSpec:
+    rate: float = required("Hooks per second (may be fractional).")
+    burst: int = required("Hooks admitted at once from a full bucket.", at_least(1))
+
+    @functools.cached_property
+    def limit(self) -> Limit:
+        return Limit.of(self.rate, self.burst)
+
+
+@dataclass(frozen=True)
+class RateLimits:
+    scope: Scope = setting("node", "node: this host's buckets; fleet: one bucket in Redis.")
+    default: LimitSpec = setting(LimitSpec(100, 200), "Limit of tenants not listed.")
+    tenants: dict[str, LimitSpec] = setting({}, "Per-tenant limits.")
+
+    def limit_for(self, tenant: str) -> Limit:
+        spec = self.tenants.get(tenant)
+        return (spec or self.default).limit
+
+
+@dataclass(frozen=True)
+class Dedupe:
+    scope: Scope = setting("node", "node: the store's own index; fleet: one window in Redis.")
+
+
+@dataclass(frozen=True)
+class Fleet:
+    redis_url: str = setting("redis://127.0.0.1:6379/0", "The fleet store.", _redis_url)
+    cluster: bool = setting(False, "The URL names one node of a Redis Cluster.")
+    password_env: str = setting("", "Environment variable holding the Redis password.")
+    password_file: str = setting("", "File holding the Redis password.")
+    tls_ca_file: str = setting("", "CA bundle for rediss:// (default: the system's).")
+    key_prefix: str = setting("ankusa", "Prefix of every fleet key.", _name)
+    timeout_ms: int = setting(20, "Hard budget of one store call.", between(1, 10_000))
+    breaker_failure_rate: float = setting(
+        0.5, "Failed share of calls that opens the breaker.", between(0.01, 1.0)
+    )
+    breaker_min_calls: int = setting(20, "Calls in the window before it may open.", at_least(1))
+    breaker_window_ms: int = setting(
+        10_000, "Sliding window of call outcomes.", between(1_000, 3_600_000)
+    )
+    breaker_open_ms: int = setting(5_000, "How long it stays open before a probe.", at_least(1))
+    pending_ttl_ms: int = setting(30_000, "Life of an unsettled claim.", between(1_000, 86_400_000))
+    settle_queue_size: int = setting(50_000, "Settle queue capacity.", between(16, 10_000_000))
+    settle_interval_ms: int = setting(5, "Drainer's pause between batches.", between(1, 10_000))
+    settle_batch_max: int = setting(1_000, "Operations per drain round trip.", between(1, 100_000))
+    settle_timeout_ms: int = setting(2_000, "Budget of one drain round trip.", between(10, 600_000))
+
+
+@dataclass(frozen=True)
+class Hmac:
+    header: str = required("Header carrying the signature.")
+    secret_env: str = setting("", "Environment variable holding the secret.")
+    secret_file: str = setting("", "File holding the secret.")
+    prefix: str = setting("", "Text before the hex digest, e.g. 'sha256='.")
+    algorithm: Literal["sha256", "sha1", "sha512"] = setting("sha256", "Digest.")
+
+
+@dataclass(frozen=True)
+class Verify:
+    hmac: Hmac | None = setting(None, "HMAC signature check.")
+
+
+@dataclass(frozen=True)
+class SourceDedupe:
+    preset: str = setting("", "github | stripe | shopify | svix | standard-webhooks.")
+    header: str = setting("", "Header carrying the event key.")
+    json_path: str = setting("", "Dotted path of the event key in a JSON body.")
+    ttl_seconds: int = setting(259_200, "Dedupe window.", between(1, 31_536_000))
+
+
+@dataclass(frozen=True)
+class Source:
+    id: str = required("Path segment: POST /hooks/{id}.", _name)
+    tenant: str = required("Tenant whose rate limit this source draws on.", _name)
+    verify: Verify = setting(Verify(), "Signature verification.")
+    dedupe: SourceDedupe | None = setting(None, "How the event key is found.")
+
+
+@dataclass(frozen=True)
+class Config:
+    server: Server = setting(Server(), "")
+    store: Store = setting(Store(), "")
+    rate_limits: RateLimits = setting(RateLimits(), "")
+    dedupe: Dedupe = setting(Dedupe(), "")
+    fleet: Fleet = setting(Fleet(), "")
+    sources: list[Source] = setting([], "")
+    origin: str = field(default="<embedded defaults>", compare=False)
+
+    @property
+    def fleet_kinds(self) -> tuple[str, ...]:
+        """The kinds answered by the fleet store: ``rate_limit`` and/or ``dedupe``."""
+        kinds = (("rate_limit", self.rate_limits.scope), ("dedupe", self.dedupe.scope))
+        return tuple(k for k, scope in kinds if scope == "fleet")
+
+    def source(self, source_id: str) -> Source | None:
+        return next((s for s in self.sources if s.id == source_id), None)
+
+    def public(self) -> dict[str, Any]:
+        """What may be shown to anyone who can read the segment: no secrets, no sources."""
+        return {
+            "origin": self.origin,
+            "rate_limits": {"scope": self.rate_limits.scope},
+            "dedupe": {"scope": self.dedupe.scope},
+            "fleet": {
+                f.name: getattr(self.fleet, f.name)
+                for f in dataclasses.fields(Fleet)
+                if f.name not in ("password_env", "password_file", "tls_ca_file")
+            },
+            "sources": len(self.sources),
+        }
+
+
+def defaults() -> Config:
+    return Config()
+
+
+def load(path: str | Path) -> Config:
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    return parse(raw, str(path))
+
+
+def parse(raw: Mapping[str, Any], origin: str) -> Config:
+    cfg: Config = dataclasses.replace(_build(Config, raw, origin, ""), origin=origin)
+    _cross_checks(cfg, origin)
+    return cfg
+
+
+def _build(cls: type[Any], raw: Any, origin: str, path: str) -> Any:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{origin}: {path or 'top level'}: must be a table")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls) if f.name != "origin"}
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        where = f"{path}.{unknown[0]}" if path else unknown[0]
+        raise ConfigError(f"{origin}: {where}: unknown key")
+    values: dict[str, Any] = {}
+    for name, f in known.items():
+        key = f"{path}.{name}" if path else name
+        if name not in raw:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"{origin}: {key}: required")
+            continue
+        value = _convert(hints[name], raw[name], origin, key)
+        check = f.metadata.get("check")
+        problem = check(value) if check else None
+        if problem:
+            raise ConfigError(f"{origin}: {key}: {problem}")
+        values[name] = value
+    try:
+        obj = cls(**values)
+        if isinstance(obj, LimitSpec):
+            _ = obj.limit
+    except ValueError as e:
+        raise ConfigError(f"{origin}: {path}: {e}") from None
+    return obj
+
+
+def _convert(tp: Any, v: Any, origin: str, key: str) -> Any:
+    def bad(what: str) -> ConfigError:
+        return ConfigError(f"{origin}: {key}: must be {what}, not {v!r}")
+
+    base = typing.get_origin(tp)
+    if base in (types.UnionType, typing.Union):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _convert(inner[0], v, origin, key)
+    if base is Literal:
+        choices = typing.get_args(tp)
+        if v not in choices:
+            raise bad(" or ".join(repr(c) for c in choices))
+        return v
+    if base is list:
+        if not isinstance(v, list):
+            raise bad("an array")
+        (item,) = typing.get_args(tp)
+        return [_convert(item, x, origin, f"{key}[{i}]") for i, x in enumerate(v)]
+    if base is dict:
+        if not isinstance(v, Mapping):
+            raise bad("a table")
+        _, item = typing.get_args(tp)
+        for k in v:
+            if _name(k):
+                raise ConfigError(f"{origin}: {key}.{k}: {_name(k)}")
+        return {k: _convert(item, x, origin, f"{key}.{k}") for k, x in v.items()}
+    if dataclasses.is_dataclass(tp):
+        return _build(typing.cast(type[Any], tp), v, origin, key)
+    if tp is bool:
+        if not isinstance(v, bool):
+            raise bad("true or false")
+        return v
+    if tp is int:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise bad("a whole number")
+        return v
+    if tp is float:
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise bad("a number")
+        return float(v)
+    if tp is str:
+        if not isinstance(v, str):
+            raise bad("a string")
+        return v
+    raise TypeError(f"no converter for {tp!r} at {key}")
+
+
+def _cross_checks(cfg: Config, origin: str) -> None:
+    seen: set[str] = set()
+    for i, src in enumerate(cfg.sources):
+        if src.id in seen:
+            raise ConfigError(f"{origin}: sources[{i}].id: {src.id!r} is used twice")
+        seen.add(src.id)
+        hmac = src.verify.hmac
+        if hmac is not None and bool(hmac.secret_env) == bool(hmac.secret_file):
+            raise ConfigError(
+                f"{origin}: sources[{i}].verify.hmac: give exactly one of secret_env, secret_file"
+            )
+        d = src.dedupe
+        if d is not None and sum(map(bool, (d.preset, d.header, d.json_path))) != 1:
+            raise ConfigError(
+                f"{origin}: sources[{i}].dedupe: give exactly one of preset, header, json_path"
+            )
+    f = cfg.fleet
+    if f.password_env and f.password_file:
+        raise ConfigError(f"{origin}: fleet: give at most one of password_env, password_file")
+    if f.cluster and urlsplit(f.redis_url).scheme == "unix":
+        raise ConfigError(f"{origin}: fleet.cluster: a Redis Cluster is not reached over unix://")
+
+
+def describe() -> list[tuple[str, str, str]]:
+    """(key, default, doc) for every setting, for ``check-config --list`` and the docs."""
+    rows: list[tuple[str, str, str]] = []
+
+    def walk(cls: type[Any], prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name == "origin":
+                continue
+            key = f"{prefix}{f.name}"
+            tp = hints[f.name]
+            if dataclasses.is_dataclass(tp) and cls is Config:
+                walk(typing.cast(type[Any], tp), key + ".")
+                continue
+            if f.default is not dataclasses.MISSING:
+                default = repr(f.default)
+            elif f.default_factory is not dataclasses.MISSING:
+                default = repr(f.default_factory())
+            else:
+                default = "(required)"
+            rows.append((key, default, f.metadata.get("doc", "")))
+
+    walk(Config, "")
+    return rows

@@ -1,0 +1,152 @@
+"""A reader's view of a live segment, and every figure it yields, declared once.
+
+``take`` reads the segment (read-only is enough) into a ``Snapshot``; ``figures`` turns a
+snapshot into named values. ``inspect`` prints them and ``/metrics`` exports them, both
+from this one list, so the two can never disagree about a name or its meaning.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ankusa_shm.clock import monotonic_ms
+from ankusa_shm.shm import breaker, counters, procs
+from ankusa_shm.shm import layout as L
+from ankusa_shm.shm.counters import Counter
+from ankusa_shm.shm.degraded import Degraded
+from ankusa_shm.shm.gcra import GcraTable
+from ankusa_shm.shm.pids import pid_alive
+from ankusa_shm.shm.segment import Header, Segment
+from ankusa_shm.shm.settle_queue import SettleQueue
+
+DEFAULT_WINDOW_MS = 10_000
+
+
+@dataclass(frozen=True)
+class BreakerView:
+    state: str
+    owner_pid: int
+    since_ms: int
+    window_ms: int
+    window_calls: int
+    window_failures: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    name: str
+    taken_ms: int
+    header: Header
+    owner_alive: bool
+    config: dict[str, object]
+    breaker: BreakerView
+    degraded: dict[str, bool]
+    counters: dict[Counter, int]
+    queue_depth: int
+    queue_capacity: int
+    consumer_pid: int
+    consumer_alive: bool
+    processes: list[procs.ProcessInfo]
+    limiter_slots: int
+    limiter_used: int
+    limiter_filling: int
+
+
+@dataclass(frozen=True)
+class Figure:
+    family: str
+    kind: str  # "counter" | "gauge"
+    help: str
+    labels: tuple[tuple[str, str], ...]
+    value: float
+
+    @property
+    def label(self) -> str:
+        if not self.labels:
+            return self.family
+        return self.family + "{" + ",".join(f'{k}="{v}"' for k, v in self.labels) + "}"
+
+
+GAUGES: dict[str, str] = {
+    "fleet_limiter_degraded": "1 while hooks of this kind are answered node-local.",
+    "fleet_breaker_state": "Fleet store breaker: 0 closed, 1 open, 2 probing.",
+    "fleet_breaker_window_calls": "Fleet store calls in the breaker's window.",
+    "fleet_breaker_window_failures": "Failed fleet store calls in the breaker's window.",
+    "fleet_settle_queue_depth": "Settle operations queued and not yet delivered.",
+    "fleet_settle_queue_capacity": "Settle queue capacity.",
+    "limiter_table_used": "Node limiter slots holding a tenant.",
+    "limiter_table_slots": "Node limiter slots in all.",
+    "processes": "Live processes attached to the segment, by role.",
+    "segment_bytes": "Size of the shared-memory segment.",
+    "segment_owner_up": "1 while the supervisor that owns the segment is alive.",
+}
+
+
+def declared() -> list[tuple[str, str, str]]:
+    """(family, kind, help) of every figure, without a segment: for ``--list`` and docs."""
+    families = dict.fromkeys(c.family for c in Counter)
+    rows = [(f, "counter", counters.family_help(f)) for f in families]
+    return rows + [(f, "gauge", h) for f, h in GAUGES.items()]
+
+
+def take(seg: Segment) -> Snapshot:
+    v, lay = seg.view, seg.layout
+    now = monotonic_ms()
+    config = seg.read_config()
+    fleet = config.get("fleet")
+    window_ms = DEFAULT_WINDOW_MS
+    if isinstance(fleet, dict) and isinstance(fleet.get("breaker_window_ms"), int):
+        window_ms = fleet["breaker_window_ms"]
+    reader = breaker.Breaker(v, lay, breaker.Policy(1.0, 1, window_ms, 1, 1))
+    state, owner, since = breaker.unpack(reader.word())
+    calls, failures = reader.window(now)
+    queue = SettleQueue(v, seg.buf, lay)
+    hdr = seg.header()
+    limiter = GcraTable(v, lay)
+    used, filling = limiter.usage(time.monotonic_ns() // 1000)
+    return Snapshot(
+        name=seg.name,
+        taken_ms=now,
+        header=hdr,
+        owner_alive=pid_alive(hdr.owner_pid),
+        config=config,
+        breaker=BreakerView(state.name.lower(), owner, since, window_ms, calls, failures),
+        degraded={k: Degraded(v, lay).is_set(k) for k in L.KINDS},
+        counters=counters.totals(v, lay),
+        queue_depth=queue.depth(),
+        queue_capacity=queue.capacity,
+        consumer_pid=queue.consumer_pid(),
+        consumer_alive=pid_alive(queue.consumer_pid()),
+        processes=procs.read(v, lay),
+        limiter_slots=limiter.slots,
+        limiter_used=used,
+        limiter_filling=filling,
+    )
+
+
+def figures(s: Snapshot) -> list[Figure]:
+    out = [
+        Figure(c.family, "counter", counters.family_help(c.family), c.labels, s.counters[c])
+        for c in Counter
+    ]
+
+    def gauge(family: str, value: float, *labels: tuple[str, str]) -> None:
+        out.append(Figure(family, "gauge", GAUGES[family], labels, value))
+
+    for kind, on in s.degraded.items():
+        gauge("fleet_limiter_degraded", int(on), ("kind", kind))
+    gauge("fleet_breaker_state", breaker.State[s.breaker.state.upper()].value)
+    gauge("fleet_breaker_window_calls", s.breaker.window_calls)
+    gauge("fleet_breaker_window_failures", s.breaker.window_failures)
+    gauge("fleet_settle_queue_depth", s.queue_depth)
+    gauge("fleet_settle_queue_capacity", s.queue_capacity)
+    gauge("limiter_table_used", s.limiter_used)
+    gauge("limiter_table_slots", s.limiter_slots)
+    for role in procs.Role:
+        name = role.name.lower()
+        alive = sum(1 for p in s.processes if p.role == name and p.alive)
+        gauge("processes", alive, ("role", name))
+    gauge("segment_bytes", s.header.total_size)
+    gauge("segment_owner_up", int(s.owner_alive))
+    return out
