@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 
 from ankusa_shm import config, inspect
-from ankusa_shm.shm.segment import DEFAULT_NAME
+from ankusa_shm.credentials import MissingSecret
+from ankusa_shm.shm.segment import DEFAULT_NAME, SegmentError
 
 
 def _positive(text: str) -> float:
@@ -30,6 +32,8 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="one JSON document per view")
     i.add_argument("--watch", type=_positive, metavar="SECONDS", help="redraw every SECONDS")
     i.add_argument("--list", action="store_true", help="list every figure and what it means")
+    d = sub.add_parser("drainer", help="run the settle drainer alone (the supervisor forks it)")
+    d.add_argument("--config", help="TOML file (default: embedded defaults)")
     return p
 
 
@@ -37,6 +41,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "check-config":
         return _check_config(args.file, args.list)
+    if args.command == "drainer":
+        return _drainer(args.config)
     if args.list:
         return inspect.list_figures()
     return inspect.run(args.name, args.json, args.watch)
@@ -58,3 +64,15 @@ def _check_config(file: str | None, list_settings: bool) -> int:
     kinds = ", ".join(cfg.fleet_kinds) or "none"
     print(f"{file}: ok ({len(cfg.sources)} sources; fleet kinds: {kinds})")
     return 0
+
+
+def _drainer(file: str | None) -> int:
+    from ankusa_shm.fleet import drainer
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        cfg = config.load(file) if file else config.defaults()
+        return drainer.main(cfg)
+    except (config.ConfigError, SegmentError, MissingSecret) as e:
+        print(f"ankusa-shm drainer: {e}", file=sys.stderr)
+        return 2

@@ -152,6 +152,9 @@ class Fleet:
     settle_interval_ms: int = setting(5, "Drainer's pause between batches.", between(1, 10_000))
     settle_batch_max: int = setting(1_000, "Operations per drain round trip.", between(1, 100_000))
     settle_timeout_ms: int = setting(2_000, "Budget of one drain round trip.", between(10, 600_000))
+    drain_on_stop_ms: int = setting(
+        5_000, "On SIGTERM, how long the drainer keeps delivering.", between(0, 600_000)
+    )
 
 
 @dataclass(frozen=True)

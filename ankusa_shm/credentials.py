@@ -1,0 +1,26 @@
+"""Secrets are named in the config and read here, from the environment or a file -- never
+from the config itself, never into a log line."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+class MissingSecret(Exception):
+    pass
+
+
+def read_secret(env: str = "", file: str = "") -> str:
+    """The secret named by ``env`` or ``file``; "" when neither is given."""
+    if env:
+        value = os.environ.get(env)
+        if value is None:
+            raise MissingSecret(f"environment variable {env} is not set")
+        return value
+    if file:
+        try:
+            return Path(file).read_text(encoding="utf-8").strip()
+        except OSError as e:
+            raise MissingSecret(f"cannot read secret file {file}: {e.strerror}") from None
+    return ""

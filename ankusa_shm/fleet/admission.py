@@ -1,0 +1,278 @@
+"""Fleet-scoped admission: one tenant limit and one dedupe window for N hosts.
+
+``admit`` is the request path's one entry. With both scopes ``node`` it is this host's
+GCRA table and nothing else. With a fleet scope it makes exactly one store call per hook,
+carrying the tenant's charge and the dedupe claim together, under the hard budget
+``fleet.timeout_ms``. A call that fails or runs out of budget -- or is not made because
+the shared breaker is open -- is answered from this host alone: its own buckets, and for
+dedupe ``Admit(None)`` so the store's local index decides. A limiter outage never refuses
+a hook.
+
+A claim that may exist in Redis is always handed back, even when its call timed out (the
+server may yet run it): settling it then promotes or releases what is there, and a
+no-op costs nothing. Settling is a push onto the settle queue in the segment; the drainer
+process delivers it. Nothing here takes a lock or sends a message to another process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass
+
+from ankusa_shm.clock import Clock, monotonic_ns
+from ankusa_shm.config import Config, Source
+from ankusa_shm.fleet import redis_store
+from ankusa_shm.fleet.redis_client import RedisError
+from ankusa_shm.fleet.redis_store import RedisStore
+from ankusa_shm.hooks import AlreadyStored, CommitResult, Committed, Envelope
+from ankusa_shm.limits import Limit
+from ankusa_shm.shm.breaker import Breaker, Permit, Policy
+from ankusa_shm.shm.counters import Counter
+from ankusa_shm.shm.degraded import Degraded
+from ankusa_shm.shm.gcra import GcraTable
+from ankusa_shm.shm.procs import ProcessSlot
+from ankusa_shm.shm.segment import Segment
+from ankusa_shm.shm.settle_queue import Op, Pushed, Record, RecordTooLarge, SettleQueue
+
+log = logging.getLogger("ankusa_shm.fleet")
+
+DEFAULT_DEDUPE_TTL_S = 259_200
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A dedupe key this host may hold as pending, and the token that proves it."""
+
+    key: bytes
+    token: bytes
+    ttl_ms: int  # the source's dedupe window: how long a promoted key lives
+    claimed_ms: int  # the latest moment the store can have written it: call start + budget
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    claim: Claim | None
+
+
+@dataclass(frozen=True, slots=True)
+class Duplicate:
+    hook_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimited:
+    retry_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class DedupePending:
+    retry_ms: int
+
+
+Admitted = Admit | Duplicate | RateLimited | DedupePending
+
+_TALLY = {
+    Admit: Counter.ADMIT_OK,
+    Duplicate: Counter.ADMIT_DUPLICATE,
+    RateLimited: Counter.ADMIT_RATE_LIMITED,
+    DedupePending: Counter.ADMIT_DEDUPE_PENDING,
+}
+_FALLBACK = {"rate_limit": Counter.FALLBACK_RATE_LIMIT, "dedupe": Counter.FALLBACK_DEDUPE}
+
+
+class Fleet:
+    def __init__(
+        self,
+        cfg: Config,
+        seg: Segment,
+        slot: ProcessSlot,
+        store: RedisStore | None,
+        clock: Clock = monotonic_ns,
+    ) -> None:
+        self._kinds = cfg.fleet_kinds
+        if self._kinds and store is None:
+            raise ValueError(f"fleet scope for {', '.join(self._kinds)} needs a store")
+        self._store = store
+        self._rate_fleet = "rate_limit" in self._kinds
+        self._dedupe_fleet = "dedupe" in self._kinds
+        self._limits = cfg.rate_limits
+        f = cfg.fleet
+        self._budget_ms = f.timeout_ms
+        self._budget_s = f.timeout_ms / 1000
+        self._pending_ttl_ms = f.pending_ttl_ms
+        self._clock = clock
+        self._row = slot.counters
+        self._breaker = Breaker(
+            seg.view,
+            seg.layout,
+            Policy(
+                failure_rate=f.breaker_failure_rate,
+                min_calls=f.breaker_min_calls,
+                window_ms=f.breaker_window_ms,
+                open_ms=f.breaker_open_ms,
+                probe_timeout_ms=2 * f.timeout_ms + 100,
+            ),
+            self._row,
+        )
+        self._degraded = Degraded(seg.view, seg.layout)
+        self._gcra = GcraTable(seg.view, seg.layout, self._row)
+        self._queue = SettleQueue(seg.view, seg.buf, seg.layout)
+
+    # -- the request path -----------------------------------------------------------------
+
+    async def admit(self, source: Source, envelope: Envelope) -> Admitted:
+        """Charge the tenant and claim the event key, in whatever scope the config says."""
+        now = self._clock()
+        limit = self._limits.limit_for(source.tenant)
+        if not self._kinds:
+            return self._tally(self._take_local(source.tenant, limit, now, None))
+        assert self._store is not None
+        now_ms = now // 1_000_000
+        claim = None
+        if self._dedupe_fleet and envelope.event_key is not None:
+            ttl_s = source.dedupe.ttl_seconds if source.dedupe else DEFAULT_DEDUPE_TTL_S
+            key = self._store.dedupe_key(source.tenant, source.id, envelope.event_key)
+            claim = Claim(key, os.urandom(16), ttl_s * 1000, now_ms + self._budget_ms)
+        permit = self._breaker.allow(now_ms)
+        if permit.call:
+            answer = await self._ask_store(permit, source.tenant, limit, claim, now)
+            if answer is not None:
+                return self._tally(answer)
+            reason = "the last fleet store call failed"
+        else:
+            claim = None  # no call was made: nothing can have been claimed
+            reason = "the fleet store breaker is open"
+        self._fall_back(reason, now_ms)
+        return self._tally(self._take_local(source.tenant, limit, now, claim))
+
+    def settle(self, claim: Claim | None, result: CommitResult) -> None:
+        """Queue the outcome of the commit that followed ``admit``: durable (committed, or
+        known to this host's index) promotes the claim under that hook id; anything else
+        releases it. Never blocks, never raises: a full queue is a counted drop."""
+        if claim is None:
+            return
+        if isinstance(result, Committed | AlreadyStored):
+            self.promote(claim, result.hook_id)
+        else:
+            self.release(claim)
+
+    def promote(self, claim: Claim | None, hook_id: str) -> None:
+        if claim is not None:
+            self._enqueue(Op.PROMOTE, claim, hook_id.encode())
+
+    def release(self, claim: Claim | None) -> None:
+        if claim is not None:
+            self._enqueue(Op.RELEASE, claim, b"")
+
+    async def reset_tenant(self, tenant: str) -> None:
+        """Forget the tenant's buckets, this host's and the fleet's (its limit changed).
+        Best effort: a store that does not answer within the budget is left alone."""
+        self._gcra.reset(tenant)
+        if self._rate_fleet and self._store is not None:
+            try:
+                async with asyncio.timeout(self._budget_s):
+                    await self._store.reset_tenant(tenant)
+            except (TimeoutError, RedisError) as e:
+                log.info("fleet bucket of %s not reset: %s", tenant, str(e) or type(e).__name__)
+
+    def degraded(self, kind: str) -> bool:
+        """Whether hooks of ``kind`` are being answered from this host alone right now."""
+        return self._degraded.is_set(kind)
+
+    def state(self) -> str:
+        """closed | open | probing, or down when no fleet scope is configured or the store
+        is not running in this process."""
+        if not self._kinds or self._store is None:
+            return "down"
+        return self._breaker.state().name.lower()
+
+    async def close(self) -> None:
+        if self._store is not None:
+            await self._store.close()
+            self._store = None
+
+    # -- inside -----------------------------------------------------------------------------
+
+    async def _ask_store(
+        self, permit: Permit, tenant: str, limit: Limit, claim: Claim | None, now: int
+    ) -> Admitted | None:
+        """The one store call; None if it failed or ran out of budget."""
+        assert self._store is not None
+        now_ms = now // 1_000_000
+        try:
+            async with asyncio.timeout(self._budget_s):
+                verdict, value = await self._store.admit(
+                    tenant,
+                    limit if self._rate_fleet else None,
+                    claim.key if claim else None,
+                    claim.token if claim else b"",
+                    self._pending_ttl_ms,
+                )
+            outcome = Counter.STORE_OK
+        except TimeoutError:
+            outcome = Counter.STORE_TIMEOUT
+        except RedisError:
+            outcome = Counter.STORE_ERROR
+        self._row.add(outcome)
+        ok = outcome is Counter.STORE_OK
+        if permit.probe:
+            self._breaker.finish_probe(permit, ok, now_ms)
+        else:
+            self._breaker.record(ok, now_ms)
+        if not ok:
+            return None
+        for kind in self._kinds:
+            self._degraded.set(kind, False)
+        if verdict == redis_store.DUPLICATE:
+            assert isinstance(value, bytes)
+            return Duplicate(value.decode())
+        if verdict == redis_store.PENDING:
+            return DedupePending(int(value))
+        if verdict == redis_store.LIMITED:
+            return RateLimited(int(value))
+        if self._rate_fleet:
+            return Admit(claim)
+        return self._take_local(tenant, limit, now, claim)
+
+    def _take_local(self, tenant: str, limit: Limit, now: int, claim: Claim | None) -> Admitted:
+        """This host's bucket decides; a refused hook gives back whatever it claimed."""
+        wait = self._gcra.take(tenant, limit, now // 1000)
+        if wait:
+            self.release(claim)
+            return RateLimited(wait)
+        return Admit(claim)
+
+    def _fall_back(self, reason: str, now_ms: int) -> None:
+        for kind in self._kinds:
+            self._row.add(_FALLBACK[kind])
+            self._degraded.set(kind, True)
+            if self._degraded.claim_warning(kind, now_ms):
+                log.warning("%s: answering %s node-local on this host", reason, kind)
+
+    def _tally(self, result: Admitted) -> Admitted:
+        self._row.add(_TALLY[type(result)])
+        if isinstance(result, RateLimited):
+            self._row.add(Counter.RATE_LIMIT_REJECTED)
+        return result
+
+    def _enqueue(self, op: Op, claim: Claim, hook_id: bytes) -> None:
+        rec = Record(
+            op=op,
+            key=claim.key,
+            token=claim.token,
+            hook_id=hook_id,
+            ttl_ms=claim.ttl_ms,
+            claimed_ms=claim.claimed_ms,
+            enqueued_ms=self._clock() // 1_000_000,
+        )
+        try:
+            pushed = self._queue.push(rec)
+        except RecordTooLarge as e:
+            log.error("settle operation dropped: %s", e)
+            pushed = Pushed.FULL
+        if pushed is Pushed.OK:
+            self._row.add(Counter.SETTLE_ENQUEUED)
+        elif pushed is Pushed.FULL:
+            self._row.add(Counter.SETTLE_DROPPED)

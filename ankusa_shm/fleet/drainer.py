@@ -1,0 +1,172 @@
+"""The drainer: the only process that sends settlements to Redis.
+
+It is the settle queue's single consumer. Every ``settle_interval_ms`` it peeks up to
+``settle_batch_max`` operations and delivers them in one pipelined round trip; only then
+does it free them in the ring. If Redis fails it keeps that batch and retries with capped
+backoff while producers keep filling the ring behind it; a drainer killed at any moment
+loses nothing, because the next one starts from the same head. An operation whose
+pending claim has certainly expired is counted and not sent. On SIGTERM it keeps
+delivering for up to ``drain_on_stop_ms`` and exits 0; on SIGINT or SIGQUIT it exits at
+once (what is queued stays in the segment).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+
+import uvloop
+
+from ankusa_shm.clock import Clock, monotonic_ns
+from ankusa_shm.config import Config
+from ankusa_shm.credentials import read_secret
+from ankusa_shm.fleet.redis_client import RedisError
+from ankusa_shm.fleet.redis_store import RedisStore
+from ankusa_shm.shm import procs
+from ankusa_shm.shm.counters import Counter
+from ankusa_shm.shm.procs import ProcessSlot, Role
+from ankusa_shm.shm.segment import Segment
+from ankusa_shm.shm.settle_queue import Batch, Op, SettleQueue
+
+log = logging.getLogger("ankusa_shm.drainer")
+
+BACKOFF_MIN_S = 0.05
+BACKOFF_MAX_S = 2.0
+WARN_EVERY_MS = 60_000
+
+_SETTLED = {Op.PROMOTE: Counter.SETTLED_PROMOTE, Op.RELEASE: Counter.SETTLED_RELEASE}
+
+
+class Drainer:
+    def __init__(
+        self,
+        cfg: Config,
+        seg: Segment,
+        slot: ProcessSlot,
+        store: RedisStore,
+        clock: Clock = monotonic_ns,
+    ) -> None:
+        f = cfg.fleet
+        self._queue = SettleQueue(seg.view, seg.buf, seg.layout)
+        self._slot = slot
+        self._row = slot.counters
+        self._store = store
+        self._clock = clock
+        self._interval_s = f.settle_interval_ms / 1000
+        self._batch_max = f.settle_batch_max
+        self._timeout_s = f.settle_timeout_ms / 1000
+        self._pending_ttl_ms = f.pending_ttl_ms
+        self._on_stop_ms = f.drain_on_stop_ms
+        self._warned_ms: int | None = None
+
+    def _now_ms(self) -> int:
+        return self._clock() // 1_000_000
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Drain until ``stop`` is set and the queue is empty, or the stop deadline passes."""
+        self._queue.become_consumer()
+        parent = os.getppid()
+        batch: Batch | None = None
+        backoff = 0.0
+        deadline: int | None = None
+        try:
+            while True:
+                now = self._now_ms()
+                self._slot.heartbeat(now)
+                if os.getppid() != parent:
+                    stop.set()  # orphaned: our supervisor is gone
+                if stop.is_set() and deadline is None:
+                    deadline = now + self._on_stop_ms
+                if deadline is not None and now >= deadline:
+                    return
+                if batch is None:
+                    batch, skipped = self._queue.peek(self._batch_max, now)
+                    if skipped:
+                        self._row.add(Counter.SETTLE_ABANDONED, skipped)
+                if not batch.records:
+                    batch = None
+                    if stop.is_set() and self._queue.depth() == 0:
+                        return
+                    await self._pause(self._interval_s, stop)
+                    continue
+                if await self._deliver(batch, now):
+                    full = len(batch.records) >= self._batch_max
+                    self._queue.commit(batch)
+                    batch, backoff = None, 0.0
+                    if not full:
+                        await self._pause(self._interval_s, stop)
+                    continue
+                backoff = min(max(2 * backoff, BACKOFF_MIN_S), BACKOFF_MAX_S)
+                await self._pause(backoff, stop)
+        finally:
+            self._queue.resign_consumer()
+
+    async def _deliver(self, batch: Batch, now_ms: int) -> bool:
+        """One round trip for the batch; False (batch kept) if the store failed."""
+        live = [r for r in batch.records if now_ms - r.claimed_ms <= self._pending_ttl_ms]
+        if live:
+            self._row.add(Counter.DRAIN_ROUND_TRIPS)
+            try:
+                async with asyncio.timeout(self._timeout_s):
+                    await self._store.settle(live)
+            except (TimeoutError, RedisError) as e:
+                self._row.add(Counter.DRAIN_ERRORS)
+                if self._warned_ms is None or now_ms - self._warned_ms >= WARN_EVERY_MS:
+                    self._warned_ms = now_ms
+                    log.warning(
+                        "settle delivery failed (%s); keeping %d operations, %d queued",
+                        str(e) or type(e).__name__,
+                        len(batch.records),
+                        self._queue.depth(),
+                    )
+                return False
+            for r in live:
+                self._row.add(_SETTLED[r.op])
+        expired = len(batch.records) - len(live)
+        if expired:
+            self._row.add(Counter.SETTLE_EXPIRED, expired)
+        return True
+
+    @staticmethod
+    async def _pause(seconds: float, stop: asyncio.Event) -> None:
+        """Sleep, cut short by ``stop`` (once stopping, just sleep: keep draining)."""
+        if stop.is_set():
+            await asyncio.sleep(seconds)
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await stop.wait()
+
+
+def main(cfg: Config, slot_index: int | None = None) -> int:
+    """The drainer process: attach, claim a slot, drain until told to stop."""
+    seg = Segment.attach(cfg.server.segment)
+    try:
+        slot = procs.claim(seg.view, seg.layout, Role.DRAINER, index=slot_index)
+        password = read_secret(cfg.fleet.password_env, cfg.fleet.password_file)
+        stall_s = 2 * cfg.fleet.settle_timeout_ms / 1000
+        store = RedisStore.from_config(cfg.fleet, password, stall_s=stall_s)
+        drainer = Drainer(cfg, seg, slot, store)
+
+        async def serve() -> None:
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            loop.add_signal_handler(signal.SIGTERM, stop.set)
+            task = asyncio.current_task()
+            assert task is not None
+            for sig in (signal.SIGINT, signal.SIGQUIT):
+                loop.add_signal_handler(sig, task.cancel)
+            try:
+                await drainer.run(stop)
+            finally:
+                await store.close()
+
+        with contextlib.suppress(asyncio.CancelledError):
+            uvloop.run(serve())
+        slot.release()
+        return 0
+    finally:
+        seg.close()

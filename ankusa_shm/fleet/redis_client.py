@@ -1,0 +1,353 @@
+"""A small multiplexed Redis client for the two things the fleet needs: one script call per
+hook under a hard budget, and one pipelined round trip per settle batch.
+
+Every request on a connection is written in order and its reply is matched in order
+(hiredis parses). A caller that gives up -- its budget ran out, it was cancelled -- only
+abandons its future: the reply still arrives, is read, and is dropped, so a late reply can
+never be taken by the next caller (the failure behind redis-py's CVE-2023-28858/28859 is
+a pooled request/response connection reused with a reply still on the wire; here nothing
+is ever reused out of order). A connection whose oldest request has waited longer than
+``stall_ms`` is closed and every waiter failed, so a hung server cannot pile up work.
+
+``Client`` talks to one server (``redis://``, ``rediss://``, ``unix://``); ``ClusterClient``
+routes each command by its key's hash slot across a Redis Cluster, following ``MOVED``
+(refresh the slot map) and ``ASK`` (one ``ASKING`` hop). Sockets and loops are created
+lazily, inside the process that uses them -- never inherited across fork.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ssl
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import hiredis
+from redis.crc import key_slot
+
+Arg = bytes | str | int
+Reply = Any
+
+
+class RedisError(Exception):
+    """The store could not answer: not connected, connection lost, stalled, protocol."""
+
+
+class ReplyError(RedisError):
+    """The server answered with an error reply (``-ERR ...``, ``-NOSCRIPT ...``)."""
+
+
+class ProtocolError(RedisError):
+    pass
+
+
+def pack(*args: Arg) -> bytes:
+    """RESP-encode one command."""
+    out = [b"*%d\r\n" % len(args)]
+    for a in args:
+        if isinstance(a, str):
+            a = a.encode()
+        elif isinstance(a, int):
+            a = b"%d" % a
+        out.append(b"$%d\r\n%s\r\n" % (len(a), a))
+    return b"".join(out)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    host: str = "127.0.0.1"
+    port: int = 6379
+    path: str = ""  # unix socket
+    db: int = 0
+    username: str = ""
+    password: str = ""
+    tls: ssl.SSLContext | None = None
+
+    @property
+    def name(self) -> str:
+        return f"unix:{self.path}" if self.path else f"{self.host}:{self.port}"
+
+
+def parse_url(url: str, password: str = "", tls_ca_file: str = "") -> Endpoint:
+    """``redis://[user@]host[:port][/db]``, ``rediss://...`` (TLS), ``unix:///path[?db=N]``.
+    The password comes from the caller (environment or file), never from the URL."""
+    u = urlsplit(url)
+    if u.scheme not in ("redis", "rediss", "unix"):
+        raise ValueError(f"unsupported Redis URL scheme {u.scheme!r}")
+    username = unquote(u.username or "")
+    if u.scheme == "unix":
+        db = int(parse_qs(u.query).get("db", ["0"])[0])
+        return Endpoint(path=u.path, db=db, username=username, password=password)
+    tls = None
+    if u.scheme == "rediss":
+        tls = ssl.create_default_context(cafile=tls_ca_file or None)
+    db = int(u.path.lstrip("/") or 0)
+    return Endpoint(u.hostname or "127.0.0.1", u.port or 6379, "", db, username, password, tls)
+
+
+class _Pending:
+    __slots__ = ("future", "remaining", "replies", "sent_at")
+
+    def __init__(self, future: asyncio.Future[Any], n: int) -> None:
+        self.future = future
+        self.remaining = n
+        self.replies: list[Reply] = []
+        self.sent_at = time.monotonic()
+
+
+class Connection(asyncio.Protocol):
+    """One socket; requests in flight are answered strictly in the order sent."""
+
+    def __init__(self, stall_s: float) -> None:
+        self._reader = hiredis.Reader(replyError=ReplyError, protocolError=ProtocolError)
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self._transport: asyncio.Transport | None = None
+        self._stall_s = stall_s
+        self.closed = False
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self._reader.feed(data)
+        try:
+            while (reply := self._reader.gets()) is not False:
+                self._deliver(reply)
+        except ProtocolError as e:
+            self.close(RedisError(f"protocol error: {e}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.close(RedisError(f"connection lost: {exc}" if exc else "connection closed"))
+
+    def _deliver(self, reply: Reply) -> None:
+        if not self._pending:
+            self.close(RedisError("reply without a request"))
+            return
+        p = self._pending[0]
+        p.replies.append(reply)
+        p.remaining -= 1
+        if p.remaining == 0:
+            self._pending.popleft()
+            if not p.future.done():  # its caller may have given up; the reply is dropped
+                p.future.set_result(p.replies)
+
+    def request(self, payload: bytes, n: int) -> asyncio.Future[list[Reply]]:
+        """Send ``n`` packed commands; the future gets their ``n`` replies in order."""
+        if self.closed or self._transport is None:
+            raise RedisError("not connected")
+        if self._pending and time.monotonic() - self._pending[0].sent_at > self._stall_s:
+            self.close(RedisError(f"server stalled for more than {self._stall_s:g} s"))
+            raise RedisError("server stalled")
+        fut: asyncio.Future[list[Reply]] = asyncio.get_running_loop().create_future()
+        self._pending.append(_Pending(fut, n))
+        self._transport.write(payload)
+        return fut
+
+    def close(self, exc: RedisError) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._transport is not None:
+            self._transport.abort()
+        while self._pending:
+            fut = self._pending.popleft().future
+            if not fut.done():
+                fut.set_exception(exc)
+                fut.exception()  # mark retrieved: an abandoned waiter must not warn
+
+
+class Client:
+    """One server, one multiplexed connection, opened on first use and after any loss."""
+
+    def __init__(
+        self, endpoint: Endpoint, *, stall_s: float = 2.0, retry_connect_s: float = 0.1
+    ) -> None:
+        self.endpoint = endpoint
+        self._stall_s = stall_s
+        self._retry_connect_s = retry_connect_s
+        self._conn: Connection | None = None
+        self._connecting: asyncio.Future[Connection] | None = None
+        self._failed_at = 0.0
+
+    async def call(self, *args: Arg) -> Reply:
+        """One command; an error reply raises ``ReplyError``."""
+        (reply,) = await self.pipeline([args])
+        if isinstance(reply, ReplyError):
+            raise reply
+        return reply
+
+    async def send(self, commands: Sequence[tuple[bytes, Sequence[Arg]]]) -> list[Reply]:
+        """(routing key, command) pairs, as ``ClusterClient.send``; one server needs no
+        routing."""
+        return await self.pipeline([c for _, c in commands])
+
+    async def pipeline(self, commands: Sequence[Sequence[Arg]]) -> list[Reply]:
+        """Many commands in one write and one round trip; error replies are returned in
+        place, not raised."""
+        conn = await self._connection()
+        payload = b"".join(pack(*c) for c in commands)
+        return await conn.request(payload, len(commands))
+
+    async def _connection(self) -> Connection:
+        if self._conn is not None and not self._conn.closed:
+            return self._conn
+        if self._connecting is None:
+            if time.monotonic() - self._failed_at < self._retry_connect_s:
+                raise RedisError(f"{self.endpoint.name}: not connected (recent connect failed)")
+            self._connecting = asyncio.ensure_future(self._open())
+        # shield: one caller's budget running out must not cancel everyone's connect
+        return await asyncio.shield(self._connecting)
+
+    async def _open(self) -> Connection:
+        ep = self.endpoint
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self._stall_s):
+                return await self._connect_and_greet(ep, loop)
+        except OSError as e:  # TimeoutError included: a server that accepts but never answers
+            self._failed_at = time.monotonic()
+            raise RedisError(
+                f"{ep.name}: cannot connect: {e.strerror or type(e).__name__}"
+            ) from None
+        except BaseException:
+            self._failed_at = time.monotonic()
+            raise
+        finally:
+            self._connecting = None
+
+    async def _connect_and_greet(self, ep: Endpoint, loop: asyncio.AbstractEventLoop) -> Connection:
+        if ep.path:
+            _, conn = await loop.create_unix_connection(lambda: Connection(self._stall_s), ep.path)
+        else:
+            _, conn = await loop.create_connection(
+                lambda: Connection(self._stall_s),
+                ep.host,
+                ep.port,
+                ssl=ep.tls,
+                server_hostname=ep.host if ep.tls else None,
+            )
+        hello: list[tuple[Arg, ...]] = []
+        if ep.password:
+            auth: tuple[Arg, ...] = ("AUTH", ep.password)
+            hello.append(("AUTH", ep.username, ep.password) if ep.username else auth)
+        if ep.db:
+            hello.append(("SELECT", ep.db))
+        if hello:
+            try:
+                replies = await conn.request(b"".join(pack(*c) for c in hello), len(hello))
+            except BaseException:
+                conn.close(RedisError("handshake abandoned"))
+                raise
+            bad = next((r for r in replies if isinstance(r, ReplyError)), None)
+            if bad is not None:
+                conn.close(RedisError("handshake failed"))
+                raise RedisError(f"{ep.name}: {bad}")
+        self._conn = conn
+        return conn
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close(RedisError("client closed"))
+            self._conn = None
+
+
+class ClusterClient:
+    """A Redis Cluster: commands are routed by the slot of their first key.
+
+    The slot map comes from ``CLUSTER SLOTS`` on any known node and is refreshed after a
+    ``MOVED`` reply; a command is retried once after a redirection (within the caller's
+    budget, which bounds everything).
+    """
+
+    def __init__(self, seed: Endpoint, *, stall_s: float = 2.0) -> None:
+        self._seed = seed
+        self._stall_s = stall_s
+        self._nodes: dict[tuple[str, int], Client] = {}
+        self._slots: list[tuple[str, int] | None] = [None] * 16384
+        self._refreshing: asyncio.Future[None] | None = None
+
+    def _node(self, addr: tuple[str, int]) -> Client:
+        client = self._nodes.get(addr)
+        if client is None:
+            s = self._seed
+            ep = Endpoint(addr[0], addr[1], "", 0, s.username, s.password, s.tls)
+            client = self._nodes[addr] = Client(ep, stall_s=self._stall_s)
+        return client
+
+    async def call(self, key: bytes, *args: Arg) -> Reply:
+        (reply,) = await self.send([(key, args)])
+        if isinstance(reply, ReplyError):
+            raise reply
+        return reply
+
+    async def send(self, commands: Sequence[tuple[bytes, Sequence[Arg]]]) -> list[Reply]:
+        """(routing key, command) pairs; one concurrent round trip per node involved."""
+        if self._slots[0] is None:
+            await self.refresh()
+        replies: list[Reply] = [None] * len(commands)
+        todo = list(range(len(commands)))
+        for attempt in range(2):
+            by_node: dict[tuple[str, int], list[int]] = collections.defaultdict(list)
+            for i in todo:
+                addr = self._slots[key_slot(commands[i][0])]
+                if addr is None:
+                    raise RedisError("cluster slot map has no owner for a key")
+                by_node[addr].append(i)
+            results = await asyncio.gather(
+                *(self._node(a).pipeline([commands[i][1] for i in ix]) for a, ix in by_node.items())
+            )
+            redirected = []
+            for ix, rs in zip(by_node.values(), results, strict=True):
+                for i, r in zip(ix, rs, strict=True):
+                    replies[i] = r
+                    if isinstance(r, ReplyError) and str(r).startswith(("MOVED ", "ASK ")):
+                        redirected.append(i)
+            if not redirected or attempt == 1:
+                break
+            if any(str(replies[i]).startswith("MOVED ") for i in redirected):
+                await self.refresh()
+            asks = [i for i in redirected if str(replies[i]).startswith("ASK ")]
+            for i in asks:
+                host, _, port = str(replies[i]).split()[2].rpartition(":")
+                rs = await self._node((host, int(port))).pipeline([("ASKING",), commands[i][1]])
+                replies[i] = rs[1]
+            todo = [i for i in redirected if i not in asks]
+        return replies
+
+    async def refresh(self) -> None:
+        """Reload the slot map; concurrent callers share one reload."""
+        if self._refreshing is None:
+            self._refreshing = asyncio.ensure_future(self._load_slots())
+        try:
+            await asyncio.shield(self._refreshing)
+        finally:
+            if self._refreshing is not None and self._refreshing.done():
+                self._refreshing = None
+
+    async def _load_slots(self) -> None:
+        seeds = [(self._seed.host, self._seed.port), *self._nodes]
+        last: Exception | None = None
+        for addr in dict.fromkeys(seeds):
+            try:
+                ranges = await self._node(addr).call("CLUSTER", "SLOTS")
+            except RedisError as e:
+                last = e
+                continue
+            slots: list[tuple[str, int] | None] = [None] * 16384
+            for start, end, primary, *_ in ranges:
+                host = primary[0].decode() or addr[0]
+                for s in range(start, end + 1):
+                    slots[s] = (host, int(primary[1]))
+            self._slots = slots
+            return
+        raise RedisError(f"no cluster node answered CLUSTER SLOTS: {last}")
+
+    async def close(self) -> None:
+        for c in self._nodes.values():
+            await c.close()

@@ -1,0 +1,167 @@
+"""The fleet's data in Redis: key names, the two Lua scripts, and the calls that run them.
+
+Keys (the tenant in braces is the Redis Cluster hash tag, so one hook's keys share a slot):
+
+    {prefix}:{<tenant>}:rl                   the tenant's GCRA theoretical arrival time (us)
+    {prefix}:{<tenant>}:dd:<source>:<key>    "p:<token>" pending, expires at pending_ttl_ms;
+                                             "c:<hook id>" committed, expires with the window
+
+Time is the Redis server's (``TIME`` inside the script), so hosts with skewed clocks still
+share one bucket. Scripts run by ``EVALSHA``; a server that lost its script cache (a
+restart, ``SCRIPT FLUSH``) answers ``NOSCRIPT`` and the same call is repeated as ``EVAL``,
+which also reloads the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+
+from ankusa_shm.config import Fleet as FleetConfig
+from ankusa_shm.fleet.redis_client import (
+    Arg,
+    Client,
+    ClusterClient,
+    Reply,
+    ReplyError,
+    parse_url,
+)
+from ankusa_shm.limits import Limit
+from ankusa_shm.shm.settle_queue import Op, Record
+
+MAX_EVENT_KEY = 200
+SETTLE_OPS_PER_CALL = 500  # bounds how long one script holds the server
+
+
+@dataclass(frozen=True)
+class Script:
+    name: str
+    source: bytes
+
+    @property
+    def sha(self) -> str:
+        return hashlib.sha1(self.source).hexdigest()
+
+    @classmethod
+    def load(cls, name: str) -> Script:
+        return cls(name, resources.files(__package__).joinpath(name).read_bytes())
+
+
+ADMIT = Script.load("admit.lua")
+SETTLE = Script.load("settle.lua")
+
+# admit.lua's answers
+ADMITTED, DUPLICATE, PENDING, LIMITED = 0, 1, 2, 3
+
+
+def event_key(raw: str | bytes) -> bytes:
+    """Keys longer than 200 bytes are replaced by ``sha256:<hex>`` of themselves."""
+    b = raw.encode() if isinstance(raw, str) else raw
+    return b if len(b) <= MAX_EVENT_KEY else b"sha256:" + hashlib.sha256(b).hexdigest().encode()
+
+
+class RedisStore:
+    def __init__(self, client: Client | ClusterClient, prefix: str, cluster: bool) -> None:
+        self.client = client
+        self._prefix = prefix
+        self._cluster = cluster
+
+    @classmethod
+    def from_config(cls, cfg: FleetConfig, password: str = "", stall_s: float = 2.0) -> RedisStore:
+        """Build without connecting: the socket opens on first use, in the caller's process."""
+        ep = parse_url(cfg.redis_url, password=password, tls_ca_file=cfg.tls_ca_file)
+        client: Client | ClusterClient = (
+            ClusterClient(ep, stall_s=stall_s) if cfg.cluster else Client(ep, stall_s=stall_s)
+        )
+        return cls(client, cfg.key_prefix, cfg.cluster)
+
+    def rate_key(self, tenant: str) -> bytes:
+        return f"{self._prefix}:{{{tenant}}}:rl".encode()
+
+    def dedupe_key(self, tenant: str, source: str, key: bytes) -> bytes:
+        return f"{self._prefix}:{{{tenant}}}:dd:{source}:".encode() + event_key(key)
+
+    async def admit(
+        self,
+        tenant: str,
+        limit: Limit | None,
+        dedupe_key: bytes | None,
+        token: bytes,
+        pending_ttl_ms: int,
+    ) -> tuple[int, int | bytes]:
+        """One round trip: (ADMITTED, 0) | (DUPLICATE, hook id) | (PENDING, ms) | (LIMITED, ms).
+        ``limit`` None charges nothing; ``dedupe_key`` None claims nothing."""
+        rate_key = self.rate_key(tenant)
+        keys = (rate_key, dedupe_key or rate_key)
+        args: tuple[Arg, ...] = (
+            int(limit is not None),
+            int(dedupe_key is not None),
+            limit.interval_us if limit else 0,
+            limit.burst if limit else 0,
+            token.hex(),
+            pending_ttl_ms,
+        )
+        (reply,) = await self._run(ADMIT, [(keys, args)])
+        if isinstance(reply, ReplyError):
+            raise reply
+        return int(reply[0]), reply[1] if len(reply) > 1 else 0
+
+    async def settle(self, records: Sequence[Record]) -> int:
+        """Apply promotes and releases in one round trip; how many found their token."""
+        groups: dict[bytes, list[Record]] = {}
+        for r in records:
+            groups.setdefault(self._group(r.key), []).append(r)
+        calls: list[tuple[tuple[bytes, ...], tuple[Arg, ...]]] = []
+        for group in groups.values():
+            for i in range(0, len(group), SETTLE_OPS_PER_CALL):
+                chunk = group[i : i + SETTLE_OPS_PER_CALL]
+                args: list[Arg] = []
+                for r in chunk:
+                    args += (b"p" if r.op == Op.PROMOTE else b"r", r.token.hex(), r.hook_id)
+                    args.append(r.ttl_ms)
+                calls.append((tuple(r.key for r in chunk), tuple(args)))
+        replies = await self._run(SETTLE, calls)
+        errors = [r for r in replies if isinstance(r, ReplyError)]
+        if errors:
+            raise errors[0]
+        return sum(int(r) for r in replies)
+
+    async def reset_tenant(self, tenant: str) -> None:
+        key = self.rate_key(tenant)
+        await self.client.send([(key, ("DEL", key))])
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    def _group(self, key: bytes) -> bytes:
+        """Keys that may share one script call: one hash tag on a cluster, all otherwise."""
+        if not self._cluster:
+            return b""
+        start = key.find(b"{")
+        return key[start : key.find(b"}", start) + 1]
+
+    async def _run(
+        self, script: Script, calls: Sequence[tuple[tuple[bytes, ...], tuple[Arg, ...]]]
+    ) -> list[Reply]:
+        """EVALSHA each call in one round trip; repeat any NOSCRIPT ones as EVAL."""
+        sha = script.sha
+        replies = await self.client.send(
+            [(keys[0], ("EVALSHA", sha, len(keys), *keys, *args)) for keys, args in calls]
+        )
+        missing = [i for i, r in enumerate(replies) if _noscript(r)]
+        if missing:
+            again = await self.client.send(
+                [
+                    (keys[0], ("EVAL", script.source, len(keys), *keys, *args))
+                    for keys, args in (calls[i] for i in missing)
+                ]
+            )
+            for i, r in zip(missing, again, strict=True):
+                replies[i] = r
+        return replies
+
+
+def _noscript(reply: Reply) -> bool:
+    return isinstance(reply, ReplyError) and str(reply).startswith("NOSCRIPT")
