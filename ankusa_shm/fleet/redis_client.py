@@ -23,7 +23,7 @@ import ssl
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import hiredis
@@ -107,12 +107,12 @@ class Connection(asyncio.Protocol):
         self._pending: collections.deque[_Pending] = collections.deque()
         self._transport: asyncio.Transport | None = None
         self._stall_s = stall_s
+        self._out: list[bytes] = []
         self.closed = False
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
 
     def data_received(self, data: bytes) -> None:
         self._reader.feed(data)
@@ -144,10 +144,20 @@ class Connection(asyncio.Protocol):
         if self._pending and time.monotonic() - self._pending[0].sent_at > self._stall_s:
             self.close(RedisError(f"server stalled for more than {self._stall_s:g} s"))
             raise RedisError("server stalled")
-        fut: asyncio.Future[list[Reply]] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[list[Reply]] = loop.create_future()
         self._pending.append(_Pending(fut, n))
-        self._transport.write(payload)
+        if not self._out:
+            loop.call_soon(self._flush)
+        self._out.append(payload)
         return fut
+
+    def _flush(self) -> None:
+        """One write for every request made in this turn of the loop: one system call
+        for many concurrent hooks instead of one each."""
+        out, self._out = self._out, []
+        if self._transport is not None and not self.closed:
+            self._transport.write(b"".join(out))
 
     def close(self, exc: RedisError) -> None:
         if self.closed:

@@ -39,14 +39,12 @@ SETTLE_OPS_PER_CALL = 500  # bounds how long one script holds the server
 class Script:
     name: str
     source: bytes
-
-    @property
-    def sha(self) -> str:
-        return hashlib.sha1(self.source).hexdigest()
+    sha: str
 
     @classmethod
     def load(cls, name: str) -> Script:
-        return cls(name, resources.files(__package__).joinpath(name).read_bytes())
+        source = resources.files(__package__).joinpath(name).read_bytes()
+        return cls(name, source, hashlib.sha1(source).hexdigest())
 
 
 ADMIT = Script.load("admit.lua")
