@@ -25,7 +25,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import redis
 import redis.asyncio as aioredis
 import uvloop
 
@@ -85,35 +84,36 @@ async def timed(n: int, body: Callable[[int], Awaitable[object]]) -> tuple[float
     return time.perf_counter() - t, time.process_time() - c
 
 
+def _admit_run(server: RedisServer, scope: str, n: int) -> tuple[float, float]:
+    """n admits through Fleet in one scope; (wall s, cpu s)."""
+    name = f"bench-fleet-{os.getpid()}"
+    cfg = make_config(name, server.url, scope)
+    seg = new_segment(name, 1024)
+    slot = procs.claim(seg.view, seg.layout, procs.Role.TOOL)
+
+    async def run() -> tuple[float, float]:
+        fleet = Fleet(cfg, seg, slot, RedisStore.from_config(cfg.fleet))
+        src = cfg.sources[0]
+        await fleet.admit(src, Envelope(b"warm"))
+        before = server.commandstats().get("evalsha", 0)
+        wall_cpu = await timed(n, lambda i: fleet.admit(src, Envelope(f"{scope}-{i}".encode())))
+        calls = server.commandstats().get("evalsha", 0) - before
+        admitted = counters.totals(seg.view, seg.layout)[Counter.ADMIT_OK] - 1
+        await fleet.close()
+        if scope == "fleet":
+            figure("fleet round trips per admitted hook", calls / admitted, "", "<= 1.0")
+        return wall_cpu
+
+    try:
+        return uvloop.run(run())
+    finally:
+        seg.close()
+        unlink(name)
+
+
 def bench_admission(server: RedisServer, n: int) -> None:
     print(f"\nadmission ({n} hooks, {CONCURRENCY} concurrent, one worker process)")
-    name = f"bench-fleet-{os.getpid()}"
-    results: dict[str, tuple[float, float]] = {}
-    for scope in ("node", "fleet"):
-        cfg = make_config(name, server.url, scope)
-        seg = new_segment(name, 1024)
-        try:
-            slot = procs.claim(seg.view, seg.layout, procs.Role.TOOL)
-
-            async def run() -> tuple[float, float]:
-                fleet = Fleet(cfg, seg, slot, RedisStore.from_config(cfg.fleet))
-                src = cfg.sources[0]
-                await fleet.admit(src, Envelope(b"warm"))
-                before = server.commandstats().get("evalsha", 0)
-                wall, cpu = await timed(
-                    n, lambda i: fleet.admit(src, Envelope(f"{scope}-{i}".encode()))
-                )
-                calls = server.commandstats().get("evalsha", 0) - before
-                admitted = counters.totals(seg.view, seg.layout)[Counter.ADMIT_OK] - 1
-                await fleet.close()
-                if scope == "fleet":
-                    figure("fleet round trips per admitted hook", calls / admitted, "", "<= 1.0")
-                return wall, cpu
-
-            results[scope] = uvloop.run(run())
-        finally:
-            seg.close()
-            unlink(name)
+    results = {scope: _admit_run(server, scope, n) for scope in ("node", "fleet")}
 
     async def redis_py() -> tuple[float, float]:
         r = aioredis.Redis.from_url(server.url)
@@ -241,7 +241,7 @@ def bench_drainer(server: RedisServer, n: int) -> None:
 
         wall = uvloop.run(ours())
         sample = [f"bench:{{t0}}:dd:gh:ours-{i}" for i in range(0, n, 64)]
-        applied = sum(1 for v in sync.mget(sample) if v and v.startswith(b"c:"))
+        applied = sum(isinstance(v, bytes) and v.startswith(b"c:") for v in sync.mget(sample))
         figure("drainer operations per second", n / wall, "ops/s", ">= 100000")
 
         keys = claim_all("rp")
