@@ -8,6 +8,12 @@
  * store, fetch-add and compare-and-swap on aligned signed 64-bit words at a
  * byte offset. Everything else is Python.
  *
+ * One hot routine lives here too, because bench_shm.py showed it pays: the node rate
+ * limiter's GCRA take (slot lookup + compare-and-swap of the TAT word), which costs several
+ * hundred nanoseconds as Python and well under one hundred here. Its slot format is
+ * layout.py's; GCRA_FORMAT exports the constants below so gcra.py can refuse to run
+ * against a layout that disagrees.
+ *
  * Offsets are checked on every call: a misaligned or out-of-range offset
  * raises ValueError/IndexError, never touches memory. A view of a read-only
  * buffer supports load() only; writes raise TypeError.
@@ -121,6 +127,108 @@ av_cas(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
     return PyBool_FromLong(ok);
 }
 
+/* -- GCRA table (see shm/layout.py and shm/gcra.py) ------------------------------------ */
+
+#define G_SLOT_BYTES 16
+#define G_KEY 0
+#define G_TAT 8
+#define G_TAG_SHIFT 49
+#define G_TAG_MASK ((UINT64_C(1) << 14) - 1)
+#define G_TAT_MASK ((UINT64_C(1) << 49) - 1)
+#define G_HALF (UINT64_C(1) << 48)
+#define G_MAX_SPAN (UINT64_C(1) << 46)
+
+/* How far a TAT word is ahead of now (0: drained). Another tag, or a lead no limit can
+ * produce, is a fresh bucket. */
+static int64_t
+g_lead(int64_t word, int64_t tag, int64_t now)
+{
+    if ((word >> G_TAG_SHIFT) != tag)
+        return 0;
+    uint64_t d = ((uint64_t)word - (uint64_t)now) & G_TAT_MASK;
+    if (d >= G_HALF || d > G_MAX_SPAN)
+        return 0;
+    return (int64_t)d;
+}
+
+static int64_t
+g_tag_of(int64_t key)
+{
+    int64_t tag = (int64_t)(((uint64_t)key >> G_TAG_SHIFT) & G_TAG_MASK);
+    return tag ? tag : 1;
+}
+
+static int
+g_claim(int64_t *w, int64_t expected, int64_t desired)
+{
+    return __atomic_compare_exchange_n(w, &expected, desired, 0, __ATOMIC_SEQ_CST,
+                                       __ATOMIC_SEQ_CST);
+}
+
+/* The tenant's slot: found, or an empty one claimed, or a drained one taken over. */
+static char *
+g_find(char *table, uint64_t nslots, uint64_t probe, int64_t key, int64_t now)
+{
+    uint64_t home = (uint64_t)key % nslots;
+    for (uint64_t i = 0; i < probe; i++) {
+        char *slot = table + ((home + i) % nslots) * G_SLOT_BYTES;
+        int64_t *k = (int64_t *)(slot + G_KEY);
+        int64_t seen = __atomic_load_n(k, __ATOMIC_SEQ_CST);
+        if (seen == key)
+            return slot;
+        if (seen == 0 && (g_claim(k, 0, key) || __atomic_load_n(k, __ATOMIC_SEQ_CST) == key))
+            return slot;
+    }
+    for (uint64_t i = 0; i < probe; i++) {
+        char *slot = table + ((home + i) % nslots) * G_SLOT_BYTES;
+        int64_t *k = (int64_t *)(slot + G_KEY);
+        int64_t seen = __atomic_load_n(k, __ATOMIC_SEQ_CST);
+        if (seen == key)
+            return slot;
+        int64_t tat = __atomic_load_n((int64_t *)(slot + G_TAT), __ATOMIC_SEQ_CST);
+        if (g_lead(tat, g_tag_of(seen), now) <= 0 && g_claim(k, seen, key))
+            return slot;
+    }
+    return NULL;
+}
+
+static PyObject *
+av_gcra_take(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    int64_t a[8];
+    if (!nargs_ok("gcra_take", nargs, 8))
+        return NULL;
+    for (int i = 0; i < 8; i++)
+        if (int64_arg(args[i], &a[i]) < 0)
+            return NULL;
+    int64_t base = a[0], nslots = a[1], probe = a[2], key = a[3], tag = a[4];
+    int64_t interval = a[5], span = a[6], now = a[7];
+    if (!self->held || !self->writable) {
+        PyErr_SetString(PyExc_TypeError, "gcra_take needs a held, writable view");
+        return NULL;
+    }
+    if (base < 0 || base % 8 || nslots < 1 || probe < 1 || key == 0 || interval < 1 ||
+        nslots > (self->view.len - base) / G_SLOT_BYTES) {
+        PyErr_SetString(PyExc_ValueError, "gcra_take: table outside the buffer or bad limit");
+        return NULL;
+    }
+    char *table = (char *)self->view.buf + base;
+    for (;;) {
+        char *slot = g_find(table, (uint64_t)nslots, (uint64_t)probe, key, now);
+        if (slot == NULL)
+            return PyLong_FromLong(-1);
+        int64_t *tat = (int64_t *)(slot + G_TAT);
+        int64_t w = __atomic_load_n(tat, __ATOMIC_SEQ_CST);
+        int64_t lead = g_lead(w, tag, now) + interval;
+        if (lead > span)
+            return PyLong_FromLongLong(lead - span);
+        int64_t desired = (int64_t)(((uint64_t)tag << G_TAG_SHIFT) |
+                                    ((uint64_t)(now + lead) & G_TAT_MASK));
+        if (g_claim(tat, w, desired))
+            return PyLong_FromLong(0);
+    }
+}
+
 static PyObject *
 av_release(AtomicView *self, PyObject *Py_UNUSED(ignored))
 {
@@ -183,6 +291,9 @@ static PyMethodDef av_methods[] = {
      "add(offset, delta) -> int: atomic fetch-add; returns the previous value."},
     {"cas", (PyCFunction)(void (*)(void))av_cas, METH_FASTCALL,
      "cas(offset, expected, desired) -> bool: atomic compare-and-swap."},
+    {"gcra_take", (PyCFunction)(void (*)(void))av_gcra_take, METH_FASTCALL,
+     "gcra_take(table, nslots, probe, key, tag, interval_us, span_us, now_us) -> int:\n"
+     "0 admitted, >0 microseconds over the limit (nothing written), -1 no slot."},
     {"release", (PyCFunction)av_release, METH_NOARGS,
      "release(): drop the buffer export so the mapping can be closed."},
     {NULL, NULL, 0, NULL},
@@ -219,6 +330,14 @@ PyInit__atomics(void)
     PyObject *m = PyModule_Create(&atomics_module);
     if (m == NULL)
         return NULL;
+    PyObject *fmt = Py_BuildValue("(iiiiLLL)", G_SLOT_BYTES, G_KEY, G_TAT, G_TAG_SHIFT,
+                                  (long long)G_TAG_MASK, (long long)G_TAT_MASK,
+                                  (long long)G_MAX_SPAN);
+    if (fmt == NULL || PyModule_AddObject(m, "GCRA_FORMAT", fmt) < 0) {
+        Py_XDECREF(fmt);
+        Py_DECREF(m);
+        return NULL;
+    }
     Py_INCREF(&AtomicViewType);
     if (PyModule_AddObject(m, "AtomicView", (PyObject *)&AtomicViewType) < 0) {
         Py_DECREF(&AtomicViewType);

@@ -1,5 +1,7 @@
 from typing_extensions import Buffer
 
+GCRA_FORMAT: tuple[int, int, int, int, int, int, int]
+
 class AtomicView:
     """Sequentially consistent 64-bit atomics on aligned words of a buffer."""
 
@@ -8,6 +10,18 @@ class AtomicView:
     def store(self, offset: int, value: int, /) -> None: ...
     def add(self, offset: int, delta: int, /) -> int: ...
     def cas(self, offset: int, expected: int, desired: int, /) -> bool: ...
+    def gcra_take(
+        self,
+        table: int,
+        nslots: int,
+        probe: int,
+        key: int,
+        tag: int,
+        interval_us: int,
+        span_us: int,
+        now_us: int,
+        /,
+    ) -> int: ...
     def release(self) -> None: ...
     @property
     def size(self) -> int: ...

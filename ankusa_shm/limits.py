@@ -7,7 +7,7 @@ interval ahead keeps it within ``burst`` intervals of now. A denial changes noth
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MAX_SPAN_US = 1 << 46  # ~2.2 years: room to spare in the node table's 49-bit time field
 
@@ -16,11 +16,10 @@ MAX_SPAN_US = 1 << 46  # ~2.2 years: room to spare in the node table's 49-bit ti
 class Limit:
     interval_us: int
     burst: int
+    span_us: int = field(init=False)  # how far ahead of now a TAT may be and still admit
 
-    @property
-    def span_us(self) -> int:
-        """How far ahead of now a TAT may be and still admit: burst intervals."""
-        return self.interval_us * self.burst
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "span_us", self.interval_us * self.burst)
 
     @classmethod
     def of(cls, rate: float, burst: int) -> Limit:
@@ -29,7 +28,13 @@ class Limit:
             raise ValueError(f"rate must be a positive number of hooks per second, not {rate!r}")
         if isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
             raise ValueError(f"burst must be a whole number of at least 1, not {burst!r}")
-        interval = round(1_000_000 / rate)
+        exact = 1_000_000 / rate
+        if exact > MAX_SPAN_US:  # also inf, for a subnormal rate: round() would overflow
+            raise ValueError(
+                f"rate {rate} is below the supported {1_000_000 / MAX_SPAN_US:.3g} hooks "
+                "per second: one interval would span more than about 2.2 years"
+            )
+        interval = round(exact)
         if interval < 1:
             raise ValueError(f"rate {rate} is above the supported 1000000 hooks per second")
         if interval * burst > MAX_SPAN_US:

@@ -211,6 +211,7 @@ class Client:
             if time.monotonic() - self._failed_at < self._retry_connect_s:
                 raise RedisError(f"{self.endpoint.name}: not connected (recent connect failed)")
             self._connecting = asyncio.ensure_future(self._open())
+            self._connecting.add_done_callback(_retrieve)
         # shield: one caller's budget running out must not cancel everyone's connect
         return await asyncio.shield(self._connecting)
 
@@ -334,6 +335,7 @@ class ClusterClient:
         """Reload the slot map; concurrent callers share one reload."""
         if self._refreshing is None:
             self._refreshing = asyncio.ensure_future(self._load_slots())
+            self._refreshing.add_done_callback(_retrieve)
         try:
             await asyncio.shield(self._refreshing)
         finally:
@@ -361,3 +363,10 @@ class ClusterClient:
     async def close(self) -> None:
         for c in self._nodes.values():
             await c.close()
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    """Mark a shared task's failure as seen: every caller that waited on it has its own
+    copy, and one whose budget ran out must not leave a "never retrieved" warning."""
+    if not fut.cancelled():
+        fut.exception()

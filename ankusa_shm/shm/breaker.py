@@ -129,8 +129,12 @@ class Breaker:
         if not permit.probe:
             raise ValueError("finish_probe needs a probe permit")
         if ok:
-            if self._swap(permit.word, State.CLOSED, now_ms):
+            # Forget the window before closing, not after: a failure recorded the moment
+            # the state reads closed must not be judged with the failures that opened it.
+            # Only while this probe still holds the state: a taken-over one touches nothing.
+            if self._view.load(self._state) == permit.word:
                 self.clear_window()
+            self._swap(permit.word, State.CLOSED, now_ms)
         else:
             self._swap(permit.word, State.OPEN, now_ms)
 

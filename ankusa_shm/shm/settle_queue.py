@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ankusa_shm._atomics import AtomicView
 from ankusa_shm.shm import layout as L
@@ -43,6 +43,12 @@ class Op(enum.IntEnum):
     RELEASE = 2
 
 
+_OPS = {op.value: op for op in Op}
+_pack = L.RECORD.pack
+_unpack = L.RECORD.unpack_from
+_HEAD = L.RECORD.size
+
+
 class Pushed(enum.Enum):
     OK = "ok"
     FULL = "full"  # the caller counts the drop
@@ -53,8 +59,9 @@ class RecordTooLarge(ValueError):
     pass
 
 
-@dataclass(frozen=True, slots=True)
-class Record:
+class Record(NamedTuple):
+    """One settle operation (a tuple: the consumer builds thousands a second)."""
+
     op: Op
     key: bytes
     token: bytes
@@ -64,8 +71,7 @@ class Record:
     enqueued_ms: int
 
 
-@dataclass(frozen=True)
-class Batch:
+class Batch(NamedTuple):
     records: list[Record]
     start: int
     end: int
@@ -94,32 +100,26 @@ class SettleQueue:
 
     def push(self, rec: Record) -> Pushed:
         """Add one record; never blocks. A full ring is ``Pushed.FULL`` at once."""
-        payload = len(rec.key) + len(rec.hook_id)
-        if payload > L.RECORD_MAX_PAYLOAD or len(rec.hook_id) > 255 or len(rec.token) != 16:
+        op, key, token, hook_id, ttl_ms, claimed_ms, enqueued_ms = rec
+        if len(key) + len(hook_id) > L.RECORD_MAX_PAYLOAD or len(hook_id) > 255:
             raise RecordTooLarge(
-                f"settle record of {payload} bytes (key + hook id) exceeds the "
-                f"{L.RECORD_MAX_PAYLOAD}-byte slot limit (hook id at most 255, token 16)"
+                f"settle record of {len(key) + len(hook_id)} bytes (key + hook id) exceeds "
+                f"the {L.RECORD_MAX_PAYLOAD}-byte slot limit (and a hook id 255)"
             )
-        data = (
-            L.RECORD.pack(
-                rec.op,
-                len(rec.hook_id),
-                len(rec.key),
-                rec.ttl_ms,
-                rec.claimed_ms,
-                rec.enqueued_ms,
-                rec.token,
-            )
-            + rec.key
-            + rec.hook_id
-        )
+        if len(token) != 16:
+            raise ValueError(f"a claim token is 16 bytes, not {len(token)}")
+        data = _pack(op, len(hook_id), len(key), ttl_ms, claimed_ms, enqueued_ms, token)
+        data += key + hook_id
         v, cap = self._view, self.capacity
         pos = v.load(self._enq)
         while True:
             cell = self._slots + (pos % cap) * L.QUEUE_SLOT_BYTES
             seq = v.load(cell)
             if seq & L.QS_WRITING:
-                return Pushed.FULL  # last lap's producer is still writing this slot
+                if seq & ~L.QS_WRITING < pos:
+                    return Pushed.FULL  # last lap's producer is still writing this slot
+                pos = v.load(self._enq)  # another producer took ``pos`` meanwhile
+                continue
             if seq == pos:
                 if v.cas(self._enq, pos, pos + 1):
                     break
@@ -207,17 +207,11 @@ class SettleQueue:
         return True
 
     def _read(self, cell: int) -> Record:
-        start = cell + L.QS_RECORD
-        op, id_len, key_len, ttl_ms, claimed_ms, enqueued_ms, token = L.RECORD.unpack_from(
-            self._buf, start
-        )
-        key_at = start + L.RECORD.size
+        # One copy of the whole slot, then slices of it: cheaper than three reads.
+        raw = self._buf[cell + L.QS_RECORD : cell + L.QUEUE_SLOT_BYTES].tobytes()
+        op, id_len, key_len, ttl_ms, claimed_ms, enqueued_ms, token = _unpack(raw)
+        key_end = _HEAD + key_len
         return Record(
-            op=Op(op),
-            key=bytes(self._buf[key_at : key_at + key_len]),
-            token=token,
-            hook_id=bytes(self._buf[key_at + key_len : key_at + key_len + id_len]),
-            ttl_ms=ttl_ms,
-            claimed_ms=claimed_ms,
-            enqueued_ms=enqueued_ms,
-        )
+            _OPS[op], raw[_HEAD:key_end], token, raw[key_end : key_end + id_len],
+            ttl_ms, claimed_ms, enqueued_ms,
+        )  # fmt: skip
