@@ -28,11 +28,17 @@ def run(name: str, as_json: bool, watch: float | None, out: TextIO = sys.stdout)
         print(f"ankusa-shm inspect: {e}", file=sys.stderr)
         return EXIT_UNUSABLE
     with seg:
-        if watch is None:
-            snap = snapshot.take(seg)
-            out.write(to_json(snap) + "\n" if as_json else render(snap))
-            return 0
-        return _watch(seg, as_json, watch, out)
+        try:
+            if watch is None:
+                snap = snapshot.take(seg)
+                out.write(to_json(snap) + "\n" if as_json else render(snap))
+                return 0
+            return _watch(seg, as_json, watch, out)
+        except ValueError as e:
+            # A whole header over words no writer writes (a breaker or slot state that
+            # names no state): corrupt too, and said so in one line like the others.
+            print(f"ankusa-shm inspect: segment {seg.name} is corrupt: {e}", file=sys.stderr)
+            return EXIT_UNUSABLE
 
 
 def _watch(seg: Segment, as_json: bool, every: float, out: TextIO) -> int:

@@ -29,7 +29,7 @@ from ankusa_shm.shm import procs
 from ankusa_shm.shm.counters import Counter
 from ankusa_shm.shm.procs import ProcessSlot, Role
 from ankusa_shm.shm.segment import Segment
-from ankusa_shm.shm.settle_queue import Batch, Op, SettleQueue
+from ankusa_shm.shm.settle_queue import Batch, ConsumerTaken, Op, SettleQueue
 
 log = logging.getLogger("ankusa_shm.drainer")
 
@@ -164,8 +164,13 @@ def main(cfg: Config, slot_index: int | None = None) -> int:
             finally:
                 await store.close()
 
-        with contextlib.suppress(asyncio.CancelledError):
-            uvloop.run(serve())
+        try:
+            with contextlib.suppress(asyncio.CancelledError):
+                uvloop.run(serve())
+        except ConsumerTaken as e:  # a second drainer: say so, without a traceback
+            slot.release()
+            log.error("not draining: %s", e)
+            return 2
         slot.release()
         return 0
     finally:

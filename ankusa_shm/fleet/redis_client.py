@@ -200,6 +200,8 @@ class Client:
     async def pipeline(self, commands: Sequence[Sequence[Arg]]) -> list[Reply]:
         """Many commands in one write and one round trip; error replies are returned in
         place, not raised."""
+        if not commands:  # no reply would ever come: the entry would swallow the next ones
+            return []
         conn = await self._connection()
         payload = b"".join(pack(*c) for c in commands)
         return await conn.request(payload, len(commands))

@@ -1,0 +1,160 @@
+"""The C extension: checked offsets, read-only and released views, and real atomicity."""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Iterator
+from multiprocessing.synchronize import Barrier
+
+import pytest
+from proc_helpers import CTX, run_children
+
+from ankusa_shm._atomics import AtomicView
+from ankusa_shm.shm.segment import Segment
+
+N_PROCS = 4
+M_OPS = 100_000
+
+
+@pytest.fixture
+def page() -> Iterator[mmap.mmap]:
+    mm = mmap.mmap(-1, 4096)  # page aligned, so offsets and addresses agree on alignment
+    yield mm
+    mm.close()
+
+
+def test_load_store_add_cas(page: mmap.mmap) -> None:
+    v = AtomicView(page)
+    assert v.writable and v.size == 4096
+    assert v.load(8) == 0
+    v.store(8, -5)
+    assert v.load(8) == -5
+    assert v.add(8, 7) == -5  # fetch-add returns the previous value
+    assert v.load(8) == 2
+    assert v.cas(8, 3, 10) is False
+    assert v.load(8) == 2
+    assert v.cas(8, 2, 10) is True
+    assert v.load(8) == 10
+    v.store(4088, 2**63 - 1)  # the last word, full int64 range
+    assert v.load(4088) == 2**63 - 1
+    assert int.from_bytes(page[4088:4096], "little", signed=True) == 2**63 - 1
+    assert v.load(0) == 0 and v.load(16) == 0  # neighbours untouched
+    v.release()
+
+
+@pytest.mark.parametrize("offset", [1, 3, 4, 7, 9, 4087])
+def test_misaligned_offsets_raise_value_error(page: mmap.mmap, offset: int) -> None:
+    v = AtomicView(page)
+    with pytest.raises(ValueError, match="aligned"):
+        v.load(offset)
+    with pytest.raises(ValueError, match="aligned"):
+        v.store(offset, 1)
+    with pytest.raises(ValueError, match="aligned"):
+        v.add(offset, 1)
+    with pytest.raises(ValueError, match="aligned"):
+        v.cas(offset, 0, 1)
+    assert bytes(page) == bytes(4096)  # nothing was touched
+    v.release()
+
+
+@pytest.mark.parametrize("offset", [-8, -1, 4089, 4096, 4104, 1 << 40])
+def test_out_of_range_offsets_raise_index_error(page: mmap.mmap, offset: int) -> None:
+    v = AtomicView(page)
+    with pytest.raises(IndexError):
+        v.load(offset)
+    with pytest.raises(IndexError):
+        v.store(offset, 1)
+    with pytest.raises(IndexError):
+        v.add(offset, 1)
+    with pytest.raises(IndexError):
+        v.cas(offset, 0, 1)
+    assert bytes(page) == bytes(4096)
+    v.release()
+
+
+def test_alignment_is_of_the_address_not_the_offset(page: mmap.mmap) -> None:
+    shifted = memoryview(page)[4:]
+    v = AtomicView(shifted)
+    with pytest.raises(ValueError, match="aligned"):
+        v.load(0)
+    v.store(4, 7)  # address page+8
+    assert int.from_bytes(page[8:16], "little") == 7
+    v.release()
+    shifted.release()
+
+
+def test_bad_arguments(page: mmap.mmap) -> None:
+    v = AtomicView(page)
+    with pytest.raises(TypeError):
+        v.load("8")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        v.store(8)  # type: ignore[call-arg]
+    with pytest.raises(OverflowError):
+        v.store(8, 2**63)  # not an int64: refused, not truncated
+    assert v.load(8) == 0
+    v.release()
+
+
+def test_read_only_buffer_refuses_writes() -> None:
+    data = bytes(range(64))
+    v = AtomicView(data)
+    assert v.writable is False
+    assert v.load(0) == int.from_bytes(data[:8], "little", signed=True)
+    with pytest.raises(TypeError, match="read-only"):
+        v.store(0, 1)
+    with pytest.raises(TypeError, match="read-only"):
+        v.add(0, 1)
+    with pytest.raises(TypeError, match="read-only"):
+        v.cas(0, v.load(0), 1)
+    assert data == bytes(range(64))
+    v.release()
+
+
+def test_released_view_raises_and_frees_the_mapping() -> None:
+    mm = mmap.mmap(-1, 4096)
+    v = AtomicView(mm)
+    with pytest.raises(BufferError):
+        mm.close()  # the view holds a buffer export: the mapping cannot vanish under it
+    v.release()
+    assert v.size == 0
+    for call in (lambda: v.load(0), lambda: v.store(0, 1), lambda: v.add(0, 1)):
+        with pytest.raises(ValueError, match="released"):
+            call()
+    with pytest.raises(ValueError, match="released"):
+        v.cas(0, 0, 1)
+    v.release()  # twice is fine
+    mm.close()  # the export is gone
+
+
+def _fetch_add(i: int, name: str, offset: int, m: int, start: Barrier) -> int:
+    with Segment.attach(name) as s:
+        start.wait(60)  # all at once, so the adds really contend
+        for _ in range(m):
+            s.view.add(offset, 1)
+    return i
+
+
+def test_fetch_add_across_processes_loses_nothing(seg: Segment) -> None:
+    word = seg.layout.offset("gcra")  # any aligned word nobody else touches here
+    run_children(N_PROCS, _fetch_add, seg.name, word, M_OPS, CTX.Barrier(N_PROCS))
+    assert seg.view.load(word) == N_PROCS * M_OPS
+
+
+def _cas_increment(i: int, name: str, offset: int, m: int, start: Barrier) -> int:
+    retries = 0
+    with Segment.attach(name) as s:
+        v = s.view
+        start.wait(60)
+        for _ in range(m):
+            while True:
+                old = v.load(offset)
+                if v.cas(offset, old, old + 1):
+                    break
+                retries += 1
+    return retries
+
+
+def test_cas_loop_across_processes_loses_nothing(seg: Segment) -> None:
+    word = seg.layout.offset("gcra") + 128
+    run_children(N_PROCS, _cas_increment, seg.name, word, M_OPS // 4, CTX.Barrier(N_PROCS))
+    assert seg.view.load(word) == N_PROCS * (M_OPS // 4)

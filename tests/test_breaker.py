@@ -1,0 +1,297 @@
+"""The shared circuit breaker: window, opening, one probe, take-overs, transition counts.
+
+Time is injected (``now_ms``); nothing here waits on a real clock.
+"""
+
+from __future__ import annotations
+
+import os
+from multiprocessing.synchronize import Barrier
+
+import pytest
+from proc_helpers import CTX, dead_pid, live_pid, run_children
+
+from ankusa_shm.shm import breaker, counters, procs
+from ankusa_shm.shm import layout as L
+from ankusa_shm.shm.breaker import Breaker, Policy, State
+from ankusa_shm.shm.counters import Counter, CounterRow
+from ankusa_shm.shm.segment import Segment
+
+POLICY = Policy(
+    failure_rate=0.5, min_calls=10, window_ms=10_000, open_ms=5_000, probe_timeout_ms=1_000
+)
+BUCKET_MS = -(-POLICY.window_ms // L.BREAKER_BUCKETS)  # the window's granularity
+T0 = 1_000_000  # any monotonic ms; the breaker never reads a clock of its own
+RACERS = 6
+
+TRANSITIONS = (Counter.BREAKER_TO_OPEN, Counter.BREAKER_TO_PROBING, Counter.BREAKER_TO_CLOSED)
+
+
+def _breaker(seg: Segment, slot: int = 0) -> tuple[Breaker, CounterRow]:
+    row = CounterRow(seg.view, seg.layout, slot)
+    return Breaker(seg.view, seg.layout, POLICY, row), row
+
+
+def _transitions(seg: Segment) -> tuple[int, ...]:
+    t = counters.totals(seg.view, seg.layout)
+    return tuple(t[c] for c in TRANSITIONS)
+
+
+def _state_word_offset(seg: Segment) -> int:
+    return seg.layout.offset("breaker") + L.BR_STATE
+
+
+def _open(b: Breaker, at: int) -> None:
+    for _ in range(POLICY.min_calls):
+        b.record(False, at)
+    assert b.state() == State.OPEN
+
+
+def test_fresh_breaker_is_closed_and_allows(seg: Segment) -> None:
+    b, _ = _breaker(seg)
+    assert b.state() == State.CLOSED
+    assert b.allow(T0) == breaker.CALL
+    assert b.window(T0) == (0, 0)
+
+
+def test_pack_unpack() -> None:
+    w = breaker.pack(State.PROBING, (1 << L.PID_BITS) - 1, T0)
+    assert breaker.unpack(w) == (State.PROBING, (1 << L.PID_BITS) - 1, T0)
+    assert w > 0  # a non-negative int64
+
+
+def test_does_not_open_below_min_calls(seg: Segment) -> None:
+    b, _ = _breaker(seg)
+    for i in range(POLICY.min_calls - 1):
+        b.record(False, T0 + i)
+    assert b.window(T0 + 10) == (9, 9)
+    assert b.state() == State.CLOSED
+    assert b.allow(T0 + 10).call
+
+
+def test_opens_at_min_calls_when_the_failed_share_reaches_the_rate(seg: Segment) -> None:
+    b, _ = _breaker(seg)
+    for _ in range(5):
+        b.record(True, T0)
+    for _ in range(4):
+        b.record(False, T0)
+    assert b.state() == State.CLOSED  # 9 calls: below min_calls
+    b.record(False, T0 + 1)  # 10 calls, 5 failed: exactly the rate
+    assert b.state() == State.OPEN
+    state, owner, since = breaker.unpack(b.word())
+    assert (state, owner, since) == (State.OPEN, 0, T0 + 1)
+    assert _transitions(seg) == (1, 0, 0)
+
+
+def test_does_not_open_below_the_rate(seg: Segment) -> None:
+    b, _ = _breaker(seg)
+    for _ in range(6):
+        b.record(True, T0)
+    for _ in range(4):
+        b.record(False, T0)  # 10 calls, 40% failed
+    assert b.state() == State.CLOSED
+    for _ in range(50):
+        b.record(True, T0)
+    for _ in range(29):
+        b.record(False, T0)  # 89 calls, 33 failed: still below half
+    assert b.window(T0) == (89, 33)
+    assert b.state() == State.CLOSED
+    assert _transitions(seg) == (0, 0, 0)
+
+
+def test_failures_outside_the_window_do_not_count(seg: Segment) -> None:
+    b, _ = _breaker(seg)
+    for _ in range(9):
+        b.record(False, T0)
+    # One bucket past the window: the nine old failures have left it.
+    later = T0 + POLICY.window_ms + BUCKET_MS
+    assert b.window(later) == (0, 0)
+    b.record(False, later)
+    assert b.window(later) == (1, 1)
+    assert b.state() == State.CLOSED
+
+
+def test_failures_inside_the_window_count(seg: Segment) -> None:
+    b, _ = _breaker(seg)
+    for _ in range(9):
+        b.record(False, T0)
+    # Still inside the window (less its one-bucket granularity): they all count.
+    later = T0 + POLICY.window_ms - BUCKET_MS
+    assert b.window(later) == (9, 9)
+    b.record(False, later)
+    assert b.state() == State.OPEN
+
+
+def test_open_denies_until_open_ms_then_exactly_one_probe(seg: Segment) -> None:
+    b, _ = _breaker(seg)
+    _open(b, T0)
+    for t in (T0, T0 + 1, T0 + POLICY.open_ms - 1):
+        assert b.allow(t) == breaker.DENY
+    permit = b.allow(T0 + POLICY.open_ms)
+    assert permit.call and permit.probe
+    assert b.word() == permit.word
+    assert breaker.unpack(permit.word) == (State.PROBING, os.getpid(), T0 + POLICY.open_ms)
+    # Everyone else -- another breaker object, this process again -- stays node-local.
+    other, _ = _breaker(seg, 1)
+    assert other.allow(T0 + POLICY.open_ms) == breaker.DENY
+    assert b.allow(T0 + POLICY.open_ms + 1) == breaker.DENY
+    assert _transitions(seg) == (1, 1, 0)
+
+
+def test_probe_success_closes_and_clears_the_window(seg: Segment) -> None:
+    b, _ = _breaker(seg)
+    _open(b, T0)
+    permit = b.allow(T0 + POLICY.open_ms)
+    b.finish_probe(permit, True, T0 + POLICY.open_ms + 3)
+    assert b.state() == State.CLOSED
+    assert b.window(T0 + POLICY.open_ms + 3) == (0, 0)
+    assert b.allow(T0 + POLICY.open_ms + 4) == breaker.CALL
+    assert _transitions(seg) == (1, 1, 1)
+    b.record(False, T0 + POLICY.open_ms + 5)  # a fresh start: one failure does not reopen
+    assert b.state() == State.CLOSED
+
+
+def test_probe_failure_reopens_with_a_new_since(seg: Segment) -> None:
+    b, _ = _breaker(seg)
+    _open(b, T0)
+    t1 = T0 + POLICY.open_ms
+    b.finish_probe(b.allow(t1), False, t1 + 7)
+    assert breaker.unpack(b.word()) == (State.OPEN, 0, t1 + 7)
+    assert b.allow(t1 + 7 + POLICY.open_ms - 1) == breaker.DENY
+    permit = b.allow(t1 + 7 + POLICY.open_ms)
+    assert permit.probe
+    b.finish_probe(permit, True, t1 + 7 + POLICY.open_ms)
+    assert b.state() == State.CLOSED
+    assert _transitions(seg) == (2, 2, 1)
+
+
+def test_finish_probe_needs_a_probe_permit(seg: Segment) -> None:
+    b, _ = _breaker(seg)
+    with pytest.raises(ValueError):
+        b.finish_probe(breaker.CALL, True, T0)
+
+
+def test_a_dead_probers_probe_is_taken_over(seg: Segment) -> None:
+    b, _ = _breaker(seg)
+    seg.view.store(_state_word_offset(seg), breaker.pack(State.PROBING, dead_pid(), T0))
+    permit = b.allow(T0 + 1)  # well within probe_timeout_ms: only the death lets it in
+    assert permit.probe
+    assert breaker.unpack(b.word())[1] == os.getpid()
+    assert b.allow(T0 + 2) == breaker.DENY  # and now it is ours: one probe at a time
+    b.finish_probe(permit, True, T0 + 3)
+    assert b.state() == State.CLOSED
+
+
+def test_a_live_but_overrun_probe_is_taken_over(seg: Segment) -> None:
+    b, _ = _breaker(seg)
+    with live_pid() as pid:
+        seg.view.store(_state_word_offset(seg), breaker.pack(State.PROBING, pid, T0))
+        assert b.allow(T0 + POLICY.probe_timeout_ms - 1) == breaker.DENY
+        permit = b.allow(T0 + POLICY.probe_timeout_ms)
+        assert permit.probe
+        assert breaker.unpack(b.word()) == (
+            State.PROBING,
+            os.getpid(),
+            T0 + POLICY.probe_timeout_ms,
+        )
+
+
+def test_a_late_finish_from_a_taken_over_probe_changes_nothing(seg: Segment) -> None:
+    first, _ = _breaker(seg, 0)
+    second, _ = _breaker(seg, 1)
+    _open(first, T0)
+    t = T0 + POLICY.open_ms
+    stale = first.allow(t)
+    assert stale.probe
+    taken = second.allow(t + POLICY.probe_timeout_ms)  # the first probe overran
+    assert taken.probe and taken.word != stale.word
+    transitions = _transitions(seg)
+
+    for ok in (True, False):
+        first.finish_probe(stale, ok, t + POLICY.probe_timeout_ms + 1)
+        assert first.word() == taken.word
+    assert _transitions(seg) == transitions
+
+    # The one live probe still decides; and after it a stale finish cannot touch the
+    # new window either.
+    second.finish_probe(taken, True, t + POLICY.probe_timeout_ms + 2)
+    assert second.state() == State.CLOSED
+    second.record(False, t + POLICY.probe_timeout_ms + 3)
+    first.finish_probe(stale, True, t + POLICY.probe_timeout_ms + 4)
+    first.finish_probe(stale, False, t + POLICY.probe_timeout_ms + 4)
+    assert second.state() == State.CLOSED
+    assert second.window(t + POLICY.probe_timeout_ms + 4) == (1, 1)
+
+
+def test_a_failure_racing_a_successful_probe_sees_a_clean_window(seg: Segment) -> None:
+    """Another worker's failure landing just as the probe closes the breaker must be
+    judged against the new, empty window, not the one that opened the breaker."""
+    prober, _ = _breaker(seg, 0)
+    other, _ = _breaker(seg, 1)
+    _open(prober, T0)
+    t = T0 + POLICY.open_ms
+    permit = prober.allow(t)
+    clear = prober.clear_window
+
+    def failure_meanwhile() -> None:
+        other.record(False, t + 1)  # in the middle of finish_probe
+        clear()
+
+    prober.clear_window = failure_meanwhile  # type: ignore[method-assign]
+    prober.finish_probe(permit, True, t + 1)
+    assert prober.state() == State.CLOSED
+    assert _transitions(seg) == (1, 1, 1)
+
+
+def test_transitions_counted_once_per_transition(seg: Segment) -> None:
+    b, row = _breaker(seg)
+    t = T0
+    for cycle in range(3):
+        _open(b, t)
+        t += POLICY.open_ms
+        b.finish_probe(b.allow(t), cycle == 2, t)
+        if cycle < 2:
+            t += POLICY.open_ms
+            b.finish_probe(b.allow(t), True, t)
+        t += 1
+    # cycle 0 and 1: open, probe, reopen, probe, close; cycle 2: open, probe, close.
+    assert _transitions(seg) == (5, 5, 3)
+    assert row.get(Counter.BREAKER_TO_OPEN) == 5
+    assert Breaker(seg.view, seg.layout, POLICY).allow(t).call  # without a row: no counts
+
+
+def _probe_race(i: int, name: str, now: int, start: Barrier) -> bool:
+    with Segment.attach(name) as s:
+        slot = procs.claim(s.view, s.layout, procs.Role.WORKER)
+        b = Breaker(s.view, s.layout, POLICY, slot.counters)
+        start.wait(60)
+        return b.allow(now).probe
+
+
+def test_racing_processes_get_exactly_one_probe(seg: Segment) -> None:
+    b, _ = _breaker(seg)
+    _open(b, T0)
+    now = T0 + POLICY.open_ms
+    probes = run_children(RACERS, _probe_race, seg.name, now, CTX.Barrier(RACERS))
+    assert sorted(probes) == [False] * (RACERS - 1) + [True]
+    assert _transitions(seg) == (1, 1, 0)
+
+
+def _failure_race(i: int, name: str, now: int, start: Barrier) -> State:
+    with Segment.attach(name) as s:
+        slot = procs.claim(s.view, s.layout, procs.Role.WORKER)
+        b = Breaker(s.view, s.layout, POLICY, slot.counters)
+        start.wait(60)
+        for _ in range(20):
+            b.record(False, now)
+        return b.state()
+
+
+def test_racing_failures_open_it_exactly_once(seg: Segment) -> None:
+    b, _ = _breaker(seg)
+    for _ in range(POLICY.min_calls - 1):
+        b.record(False, T0)
+    states = run_children(RACERS, _failure_race, seg.name, T0, CTX.Barrier(RACERS))
+    assert states == [State.OPEN] * RACERS
+    assert _transitions(seg) == (1, 0, 0)
+    assert b.window(T0) == (POLICY.min_calls - 1 + 20 * RACERS,) * 2

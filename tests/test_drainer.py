@@ -1,0 +1,430 @@
+"""The drainer: delivers what the workers queue, survives being killed and Redis going
+away, drops what has certainly expired, drains on SIGTERM; and the metrics it feeds."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+from conftest import RedisServer
+from fleet_helpers import (
+    CTX,
+    TENANT,
+    TIMEOUT_S,
+    FakeClock,
+    admit,
+    await_until,
+    bare,
+    committed_values,
+    dd_key,
+    drain_all,
+    drainer_process,
+    fleet_config,
+    fleet_raw,
+    open_fleet,
+    pending_value,
+    reset_stats,
+    run,
+    segments,
+    stopped,
+    totals,
+    wait_until,
+    write_config,
+)
+from prometheus_client.parser import text_string_to_metric_families
+
+from ankusa_shm import metrics
+from ankusa_shm.config import Config
+from ankusa_shm.fleet.admission import Admit, Admitted, Claim, Fleet, RateLimited
+from ankusa_shm.fleet.drainer import Drainer
+from ankusa_shm.fleet.redis_store import RedisStore
+from ankusa_shm.hooks import AlreadyStored, Committed, NotStored
+from ankusa_shm.shm import procs, settle_queue
+from ankusa_shm.shm.counters import Counter
+from ankusa_shm.shm.procs import Role
+from ankusa_shm.shm.segment import Segment
+from ankusa_shm.shm.settle_queue import SettleQueue
+
+
+def claim_of(answer: Admitted) -> Claim:
+    assert isinstance(answer, Admit) and answer.claim is not None, answer
+    return answer.claim
+
+
+def committed(i: int) -> bytes:
+    return f"c:hook-{i}".encode()
+
+
+def test_drainer_delivers_promotes_and_releases(redis_server: RedisServer) -> None:
+    with segments(1) as (seg,):
+        cfg = fleet_config(redis_server.url, bare(seg))
+
+        async def body() -> None:
+            async with open_fleet(cfg, seg) as fleet:
+                claims = [claim_of(await admit(fleet, cfg, f"k{i}")) for i in range(6)]
+                for i in range(3):
+                    fleet.settle(claims[i], Committed(f"hook-{i}"))
+                fleet.settle(claims[3], AlreadyStored("hook-3"))  # this host's index knew it
+                fleet.settle(claims[4], NotStored("store unavailable"))
+                fleet.release(claims[5])
+                fleet.settle(None, Committed("hook-none"))  # nothing claimed: a no-op
+                assert seg.queue_depth() == 6
+                with redis_server.client() as r:
+                    assert all(v and v.startswith(b"p:") for v in r.mget([c.key for c in claims]))
+                await drain_all(cfg, seg)
+
+        run(body())
+        assert seg.queue_depth() == 0
+        counted = totals(seg)
+        assert counted[Counter.SETTLE_ENQUEUED] == 6
+        assert counted[Counter.SETTLED_PROMOTE] == 4
+        assert counted[Counter.SETTLED_RELEASE] == 2
+        assert counted[Counter.DRAIN_ROUND_TRIPS] == 1
+        assert counted[Counter.DRAIN_ERRORS] == 0
+        with redis_server.client() as r:
+            values = committed_values(r, [dd_key(f"k{i}") for i in range(6)])
+        assert values == [committed(0), committed(1), committed(2), committed(3), None, None]
+
+
+def test_killed_drainer_loses_nothing(redis_server: RedisServer, tmp_path: Path) -> None:
+    with segments(1) as (seg,):
+        raw = fleet_raw(redis_server.url, bare(seg), settle_timeout_ms=30_000)
+        cfg_file = write_config(tmp_path / "ankusa.toml", raw)
+        cfg = fleet_config(redis_server.url, bare(seg), settle_timeout_ms=30_000)
+        claims: list[Claim] = []
+
+        async def admit_all() -> None:
+            async with open_fleet(cfg, seg) as fleet:
+                claims.extend([claim_of(await admit(fleet, cfg, f"k{i}")) for i in range(40)])
+
+        async def settle(which: range) -> None:
+            async with open_fleet(cfg, seg) as fleet:
+                for i in which:
+                    fleet.settle(claims[i], Committed(f"hook-{i}"))
+
+        run(admit_all())
+        run(settle(range(20)))
+        with stopped(redis_server.pid):
+            with drainer_process(cfg_file, tmp_path / "drainer-1.log") as first:
+                wait_until(
+                    lambda: totals(seg)[Counter.DRAIN_ROUND_TRIPS] >= 1,
+                    "the drainer to send its batch",
+                )
+                first.kill()  # SIGKILL, holding a batch it never heard back about
+            assert seg.queue_depth() == 20
+            run(settle(range(20, 40)))
+            assert seg.queue_depth() == 40
+        with drainer_process(cfg_file, tmp_path / "drainer-2.log") as second:
+            wait_until(lambda: seg.queue_depth() == 0, "the new drainer to empty the queue")
+            second.signal(signal.SIGTERM)
+            assert second.wait() == 0, second.output()
+        with redis_server.client() as r:
+            values = committed_values(r, [dd_key(f"k{i}") for i in range(40)])
+        assert values == [committed(i) for i in range(40)]
+        assert totals(seg)[Counter.SETTLE_DROPPED] == 0
+
+
+def test_drainer_keeps_its_batch_while_redis_is_down(redis_server: RedisServer) -> None:
+    with segments(1) as (seg,):
+        cfg = fleet_config(redis_server.url, bare(seg), settle_timeout_ms=500)
+
+        async def body() -> None:
+            async with open_fleet(cfg, seg) as fleet:
+                claims = [claim_of(await admit(fleet, cfg, f"k{i}")) for i in range(5)]
+                for i, c in enumerate(claims):
+                    fleet.settle(c, Committed(f"hook-{i}"))
+            slot = procs.claim(seg.view, seg.layout, Role.DRAINER)
+            store = RedisStore.from_config(cfg.fleet)
+            stop = asyncio.Event()
+            redis_server.kill()
+            task = asyncio.create_task(Drainer(cfg, seg, slot, store).run(stop))
+            try:
+                await await_until(
+                    lambda: totals(seg)[Counter.DRAIN_ERRORS] >= 4, "failed deliveries"
+                )
+                assert seg.queue_depth() == 5
+                counted = totals(seg)
+                assert counted[Counter.SETTLED_PROMOTE] == 0
+                # backoff: a handful of attempts, not a busy loop (0.05 s, doubling)
+                await asyncio.sleep(0.5)
+                assert totals(seg)[Counter.DRAIN_ERRORS] <= counted[Counter.DRAIN_ERRORS] + 4
+                # Redis comes back empty: put the claims back before the drainer can run
+                # again (nothing below awaits, so the drainer's task cannot interleave)
+                redis_server.start()
+                with redis_server.client() as r:
+                    for c in claims:
+                        r.set(c.key, pending_value(c.token), px=60_000)
+                await await_until(lambda: seg.queue_depth() == 0, "delivery after the restart")
+            finally:
+                stop.set()
+                await task
+                await store.close()
+                slot.release()
+
+        run(body())
+        counted = totals(seg)
+        assert counted[Counter.SETTLED_PROMOTE] == 5
+        assert counted[Counter.SETTLE_EXPIRED] == 0
+        with redis_server.client() as r:
+            values = committed_values(r, [dd_key(f"k{i}") for i in range(5)])
+        assert values == [committed(i) for i in range(5)]
+
+
+def past_pending_ttl(cfg: Config) -> int:
+    """How far to move the clock so that claims made now have certainly expired: a claim
+    counts from its call's start plus the budget."""
+    return cfg.fleet.timeout_ms + cfg.fleet.pending_ttl_ms + 1
+
+
+def test_expired_operations_are_dropped_not_sent(redis_server: RedisServer) -> None:
+    with segments(1) as (seg,):
+        cfg = fleet_config(redis_server.url, bare(seg), pending_ttl_ms=10_000)
+        clock = FakeClock()
+
+        async def body() -> None:
+            async with open_fleet(cfg, seg, clock=clock) as fleet:
+                old = [claim_of(await admit(fleet, cfg, f"old{i}")) for i in range(3)]
+                clock.advance(past_pending_ttl(cfg))
+                new = [claim_of(await admit(fleet, cfg, f"new{i}")) for i in range(2)]
+                for i, c in enumerate(old + new):
+                    fleet.settle(c, Committed(f"hook-{i}"))
+            with redis_server.client() as r:
+                reset_stats(r)
+            await drain_all(cfg, seg, clock=clock)
+
+        run(body())
+        counted = totals(seg)
+        assert seg.queue_depth() == 0
+        assert counted[Counter.SETTLE_EXPIRED] == 3
+        assert counted[Counter.SETTLED_PROMOTE] == 2
+        assert counted[Counter.DRAIN_ROUND_TRIPS] == 1
+        assert redis_server.commandstats().get("evalsha") == 1  # the one round trip
+        with redis_server.client() as r:
+            values = committed_values(r, [dd_key(k) for k in ("old0", "old1", "old2")])
+            assert all(v is not None and v.startswith(b"p:") for v in values)  # not sent
+            assert committed_values(r, [dd_key("new0"), dd_key("new1")]) == [
+                b"c:hook-3",
+                b"c:hook-4",
+            ]
+
+
+def test_only_expired_operations_make_no_round_trip(redis_server: RedisServer) -> None:
+    with segments(1) as (seg,):
+        cfg = fleet_config(redis_server.url, bare(seg), pending_ttl_ms=10_000)
+        clock = FakeClock()
+
+        async def body() -> None:
+            async with open_fleet(cfg, seg, clock=clock) as fleet:
+                claims = [claim_of(await admit(fleet, cfg, f"k{i}")) for i in range(4)]
+                for c in claims:
+                    fleet.settle(c, NotStored("gone"))
+            clock.advance(past_pending_ttl(cfg))
+            with redis_server.client() as r:
+                reset_stats(r)
+            await drain_all(cfg, seg, clock=clock)
+
+        run(body())
+        counted = totals(seg)
+        assert seg.queue_depth() == 0
+        assert counted[Counter.SETTLE_EXPIRED] == 4
+        assert counted[Counter.DRAIN_ROUND_TRIPS] == 0
+        assert counted[Counter.SETTLED_RELEASE] == 0
+        stats = redis_server.commandstats()
+        assert "evalsha" not in stats and "eval" not in stats
+
+
+def test_sigterm_drains_what_is_queued_and_exits_zero(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    with segments(1) as (seg,):
+        # batches of 4: at SIGTERM one batch is in flight and 6 operations wait behind it
+        raw = fleet_raw(redis_server.url, bare(seg), settle_timeout_ms=30_000, settle_batch_max=4)
+        cfg_file = write_config(tmp_path / "ankusa.toml", raw)
+        cfg = fleet_config(redis_server.url, bare(seg), settle_timeout_ms=30_000)
+
+        async def queue_up() -> None:
+            async with open_fleet(cfg, seg) as fleet:
+                claims = [claim_of(await admit(fleet, cfg, f"k{i}")) for i in range(10)]
+                for i, c in enumerate(claims):
+                    fleet.settle(c, Committed(f"hook-{i}"))
+
+        run(queue_up())
+        with drainer_process(cfg_file, tmp_path / "drainer.log") as drainer:
+            with stopped(redis_server.pid):  # the drainer holds its batch, unanswered
+                wait_until(
+                    lambda: totals(seg)[Counter.DRAIN_ROUND_TRIPS] >= 1,
+                    "the drainer to send its batch",
+                )
+                drainer.signal(signal.SIGTERM)
+                assert drainer.proc.poll() is None
+                assert seg.queue_depth() == 10
+            assert drainer.wait() == 0, drainer.output()
+        assert seg.queue_depth() == 0
+        assert totals(seg)[Counter.SETTLED_PROMOTE] == 10
+        assert totals(seg)[Counter.DRAIN_ROUND_TRIPS] == 3
+        with redis_server.client() as r:
+            values = committed_values(r, [dd_key(f"k{i}") for i in range(10)])
+        assert values == [committed(i) for i in range(10)]
+
+
+def test_metrics_show_what_the_segment_holds(redis_server: RedisServer) -> None:
+    with segments(1, queue_capacity=16) as (seg,):
+        cfg = fleet_config(
+            redis_server.url,
+            bare(seg),
+            rate=0.001,
+            burst=3,
+            breaker_min_calls=3,
+            breaker_failure_rate=0.5,
+            breaker_open_ms=60_000,
+            settle_queue_size=16,
+        )
+        clock = FakeClock()
+
+        async def body() -> None:
+            async with open_fleet(cfg, seg, clock=clock) as fleet:
+                answers = [await admit(fleet, cfg, f"k{i}") for i in range(5)]
+                assert [type(a) for a in answers] == [Admit] * 3 + [RateLimited] * 2
+                claims = [claim_of(a) for a in answers[:3]]
+                fleet.settle(claims[0], Committed("hook-0"))
+                fleet.settle(claims[1], Committed("hook-1"))
+                fleet.settle(claims[2], NotStored("full"))
+                await drain_all(cfg, seg, clock=clock)
+                for i in range(20):  # 16 fit, 4 are dropped
+                    fleet.promote(claims[0], f"again-{i}")
+                clock.advance(60_000)
+                redis_server.kill()
+                for i in range(3):  # 3 failures open the breaker
+                    claim_of(await admit(fleet, cfg, f"down{i}"))
+                assert fleet.state() == "open"
+
+        run(body())
+        with Segment.attach(seg.name, readonly=True) as reader:  # as the admin listener
+            text = metrics.render(reader).decode()
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+        }
+
+        def value(name: str, **labels: str) -> float:
+            return samples[("ankusa_" + name, tuple(sorted(labels.items())))]
+
+        counted = totals(seg)
+        expected = {
+            Counter.FALLBACK_RATE_LIMIT: 3,
+            Counter.FALLBACK_DEDUPE: 3,
+            Counter.SETTLE_DROPPED: 4,
+            Counter.SETTLED_PROMOTE: 2,
+            Counter.SETTLED_RELEASE: 1,
+            Counter.STORE_OK: 5,
+            Counter.STORE_ERROR: 3,
+            Counter.STORE_TIMEOUT: 0,
+            Counter.BREAKER_TO_OPEN: 1,
+            Counter.BREAKER_TO_CLOSED: 0,
+            Counter.DRAIN_ROUND_TRIPS: 1,
+            Counter.RATE_LIMIT_REJECTED: 2,
+        }
+        assert {c: counted[c] for c in expected} == expected
+        for c in Counter:  # every counter, as the segment holds it
+            assert value(c.family + "_total", **dict(c.labels)) == counted[c], c
+        assert value("fleet_limiter_degraded", kind="rate_limit") == 1
+        assert value("fleet_limiter_degraded", kind="dedupe") == 1
+        assert value("fleet_fallback_total", kind="rate_limit") == 3
+        assert value("fleet_fallback_total", kind="dedupe") == 3
+        assert value("fleet_settle_dropped_total") == 4
+        assert value("fleet_settle_queue_depth") == 16
+        assert value("fleet_settled_total", op="promote") == 2
+        assert value("fleet_settled_total", op="release") == 1
+        assert value("fleet_store_calls_total", result="ok") == 5
+        assert value("fleet_store_calls_total", result="error") == 3
+        assert value("fleet_store_calls_total", result="timeout") == 0
+        assert value("fleet_breaker_state") == 1
+        assert value("fleet_breaker_transitions_total", to="open") == 1
+        assert value("fleet_breaker_transitions_total", to="closed") == 0
+        assert value("fleet_drain_round_trips_total") == 1
+        assert value("rate_limit_rejected_total") == 2
+        assert TENANT not in text  # tenants are not labels
+
+
+def test_a_second_drainer_refuses_to_start(redis_server: RedisServer, tmp_path: Path) -> None:
+    with segments(1) as (seg,):
+        cfg_file = write_config(tmp_path / "ankusa.toml", fleet_raw(redis_server.url, bare(seg)))
+        with drainer_process(cfg_file, tmp_path / "first.log") as first:
+            wait_until(
+                lambda: SettleQueue(seg.view, seg.buf, seg.layout).consumer_pid() != 0,
+                "the first drainer to take the queue",
+            )
+            with drainer_process(cfg_file, tmp_path / "second.log") as second:
+                assert second.wait() == 2
+                assert "already drained by live pid" in second.output()
+                assert "Traceback" not in second.output()
+            assert first.proc.poll() is None  # the first one goes on
+            first.signal(signal.SIGTERM)
+            assert first.wait() == 0, first.output()
+
+
+def _die_while_enqueuing(seg_name: str, cfg: Config, claim: Claim) -> None:
+    """A worker SIGKILLed between reserving a queue slot and publishing its record."""
+    seg = Segment.attach(seg_name)
+    slot = procs.claim(seg.view, seg.layout, Role.WORKER)
+    settle_queue._pause_after_reserve = lambda: os.kill(os.getpid(), signal.SIGKILL)
+    fleet = Fleet(cfg, seg, slot, RedisStore.from_config(cfg.fleet))
+    fleet.settle(claim, Committed("never-published"))
+
+
+class SteppingClock:
+    """Real monotonic time, plus ``step_ms`` more on every reading: a drainer's loop
+    sees the abandon grace period pass in a few turns."""
+
+    def __init__(self, step_ms: int) -> None:
+        self.offset_ns = 0
+        self.step_ns = step_ms * 1_000_000
+
+    def __call__(self) -> int:
+        self.offset_ns += self.step_ns
+        return time.monotonic_ns() + self.offset_ns
+
+
+def test_worker_killed_mid_enqueue_does_not_wedge_the_queue(redis_server: RedisServer) -> None:
+    with segments(1) as (seg,):
+        cfg = fleet_config(redis_server.url, bare(seg))
+        claims: list[Claim] = []
+
+        async def admit_all() -> None:
+            async with open_fleet(cfg, seg) as fleet:
+                claims.extend([claim_of(await admit(fleet, cfg, f"k{i}")) for i in range(5)])
+                fleet.settle(claims[0], Committed("hook-0"))
+                fleet.settle(claims[1], Committed("hook-1"))
+
+        async def settle_rest() -> None:
+            async with open_fleet(cfg, seg) as fleet:
+                fleet.settle(claims[3], Committed("hook-3"))
+                fleet.settle(claims[4], NotStored("gone"))
+
+        run(admit_all())
+        kid = CTX.Process(target=_die_while_enqueuing, args=(bare(seg), cfg, claims[2]))
+        kid.start()
+        try:
+            kid.join(TIMEOUT_S)
+            assert kid.exitcode == -signal.SIGKILL
+        finally:
+            if kid.is_alive():
+                kid.kill()
+            kid.join(10)
+        run(settle_rest())
+        assert seg.queue_depth() == 5  # one of them reserved and never published
+        run(drain_all(cfg, seg, clock=SteppingClock(500)))
+        counted = totals(seg)
+        assert seg.queue_depth() == 0
+        assert counted[Counter.SETTLE_ABANDONED] == 1
+        assert counted[Counter.SETTLED_PROMOTE] == 3
+        assert counted[Counter.SETTLED_RELEASE] == 1
+        with redis_server.client() as r:
+            values = committed_values(r, [dd_key(f"k{i}") for i in range(5)])
+        assert values[:2] == [b"c:hook-0", b"c:hook-1"]
+        assert values[2] == pending_value(claims[2].token)  # its promote was lost, not sent
+        assert values[3:] == [b"c:hook-3", None]

@@ -1,0 +1,657 @@
+"""Fleet admission against a real redis-server: one limit and one dedupe window for several
+hosts, the scopes, round trips as the server counts them, and what faults do."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+
+import uvloop
+from conftest import RedisServer
+from fleet_helpers import (
+    TEST_TRAFFIC,
+    FakeClock,
+    Job,
+    Worker,
+    admit,
+    await_until,
+    bare,
+    committed_values,
+    dd_key,
+    drain_all,
+    fleet_config,
+    forked,
+    open_fleet,
+    pending_value,
+    reset_stats,
+    rl_key,
+    run,
+    run_workers,
+    segments,
+    stopped,
+    total,
+    totals,
+)
+
+from ankusa_shm.config import Config
+from ankusa_shm.fleet.admission import (
+    Admit,
+    Admitted,
+    Claim,
+    DedupePending,
+    Duplicate,
+    Fleet,
+    RateLimited,
+)
+from ankusa_shm.fleet.redis_store import RedisStore
+from ankusa_shm.hooks import Committed, NotStored
+from ankusa_shm.shm import procs
+from ankusa_shm.shm.counters import Counter
+from ankusa_shm.shm.procs import Role
+from ankusa_shm.shm.segment import Segment
+from ankusa_shm.shm.settle_queue import Op, Record
+
+STORE_CALLS = (Counter.STORE_OK, Counter.STORE_ERROR, Counter.STORE_TIMEOUT)
+SCRIPT_INNER = frozenset({"get", "set", "pttl", "time", "del"})  # counted inside scripts
+FALLBACKS = (Counter.FALLBACK_RATE_LIMIT, Counter.FALLBACK_DEDUPE)
+
+
+def claim_of(answer: Admitted) -> Claim:
+    assert isinstance(answer, Admit), answer
+    assert answer.claim is not None, answer
+    return answer.claim
+
+
+# -- one limit, one window ------------------------------------------------------------------
+
+
+def test_one_limit_for_the_fleet(redis_server: RedisServer) -> None:
+    burst = 25
+    with segments(3) as segs:
+
+        async def burst_of_40(w: Worker) -> list[Admitted]:
+            return list(await asyncio.gather(*(w.admit(f"w{w.index}-{i}") for i in range(40))))
+
+        cfgs = [fleet_config(redis_server.url, bare(s), rate=0.001, burst=burst) for s in segs]
+        two_per_host = [Job(c, burst_of_40) for c in cfgs for _ in range(2)]
+        answers = [a for got in run_workers(two_per_host) for a in got]
+
+        assert len(answers) == 3 * 2 * 40
+        admitted = [a for a in answers if isinstance(a, Admit)]
+        assert len(admitted) == burst
+        assert all(a.claim is not None for a in admitted)
+        refused = [a for a in answers if not isinstance(a, Admit)]
+        assert all(isinstance(a, RateLimited) and a.retry_ms >= 1 for a in refused), refused
+        assert total(segs, Counter.ADMIT_OK) == burst
+        assert total(segs, Counter.RATE_LIMIT_REJECTED) == len(refused)
+        assert total(segs, Counter.STORE_OK) == len(answers)
+        assert all(total(segs, c) == 0 for c in FALLBACKS)
+    with redis_server.client() as r:  # a limited hook claimed nothing
+        assert len(r.keys(b"*:dd:*")) == burst
+
+
+def test_one_dedupe_window(redis_server: RedisServer) -> None:
+    with segments(3) as segs:
+        cfgs = [fleet_config(redis_server.url, bare(s)) for s in segs]
+
+        async def race(w: Worker) -> list[Admitted]:
+            return [await w.admit("evt-promote"), await w.admit("evt-release")]
+
+        rounds = run_workers([Job(c, race) for c in cfgs])
+        winners: dict[str, tuple[int, Claim]] = {}
+        for k, key in enumerate(("evt-promote", "evt-release")):
+            answers = [got[k] for got in rounds]
+            won = [i for i, a in enumerate(answers) if isinstance(a, Admit)]
+            assert len(won) == 1, answers
+            claim = claim_of(answers[won[0]])
+            assert claim.key == dd_key(key)
+            losers = [a for i, a in enumerate(answers) if i != won[0]]
+            assert all(isinstance(a, DedupePending) and a.retry_ms >= 1 for a in losers), answers
+            winners[key] = (won[0], claim)
+
+        async def settle_and_retry() -> None:
+            async with AsyncExitStack() as stack:
+                fleets = [
+                    await stack.enter_async_context(open_fleet(c, s))
+                    for c, s in zip(cfgs, segs, strict=True)
+                ]
+                host_p, claim_p = winners["evt-promote"]
+                host_r, claim_r = winners["evt-release"]
+                fleets[host_p].settle(claim_p, Committed("hook-1"))
+                fleets[host_r].settle(claim_r, NotStored("disk full"))
+                for c, s in zip(cfgs, segs, strict=True):
+                    await drain_all(c, s)
+                for f, c in zip(fleets, cfgs, strict=True):
+                    assert await admit(f, c, "evt-promote") == Duplicate("hook-1")
+                retrier = (host_r + 1) % 3
+                retry = claim_of(await admit(fleets[retrier], cfgs[retrier], "evt-release"))
+                assert retry.token != claim_r.token
+                with redis_server.client() as r:
+                    assert r.get(dd_key("evt-release")) == pending_value(retry.token)
+                for i in range(3):
+                    if i != retrier:
+                        answer = await admit(fleets[i], cfgs[i], "evt-release")
+                        assert isinstance(answer, DedupePending)
+
+        run(settle_and_retry())
+
+
+def test_unsettled_claim_expires(redis_server: RedisServer) -> None:
+    with segments(2) as segs:
+        cfgs = [fleet_config(redis_server.url, bare(s), pending_ttl_ms=1000) for s in segs]
+
+        async def body() -> None:
+            async with open_fleet(cfgs[0], segs[0]) as a, open_fleet(cfgs[1], segs[1]) as b:
+                first = claim_of(await admit(a, cfgs[0], "evt"))
+                held = await admit(b, cfgs[1], "evt")
+                assert isinstance(held, DedupePending) and 1 <= held.retry_ms <= 1000
+                await asyncio.sleep(1.2)
+                second = claim_of(await admit(b, cfgs[1], "evt"))
+                assert second.token != first.token
+                # the first claim's late promote finds another token and changes nothing
+                store = RedisStore.from_config(cfgs[0].fleet)
+                try:
+                    late = Record(Op.PROMOTE, first.key, first.token, b"late", 60_000, 0, 0)
+                    assert await store.settle([late]) == 0
+                finally:
+                    await store.close()
+                with redis_server.client() as r:
+                    assert r.get(dd_key("evt")) == pending_value(second.token)
+
+        run(body())
+
+
+def test_duplicates_and_pending_are_not_charged(redis_server: RedisServer) -> None:
+    with segments(2) as segs:
+        cfgs = [fleet_config(redis_server.url, bare(s), rate=0.001, burst=3) for s in segs]
+
+        async def body() -> None:
+            async with open_fleet(cfgs[0], segs[0]) as a, open_fleet(cfgs[1], segs[1]) as b:
+                done = claim_of(await admit(a, cfgs[0], "k1"))  # charge 1
+                a.settle(done, Committed("hook-k1"))
+                await drain_all(cfgs[0], segs[0])
+                claim_of(await admit(a, cfgs[0], "k2"))  # charge 2, left pending
+                for _ in range(5):
+                    assert await admit(b, cfgs[1], "k1") == Duplicate("hook-k1")
+                    assert isinstance(await admit(b, cfgs[1], "k2"), DedupePending)
+                claim_of(await admit(b, cfgs[1], "k3"))  # charge 3: the burst
+                for f, c in ((a, cfgs[0]), (b, cfgs[1])):
+                    limited = await admit(f, c, "k4")
+                    assert isinstance(limited, RateLimited) and limited.retry_ms >= 1
+
+        run(body())
+        with redis_server.client() as r:
+            assert r.exists(dd_key("k4")) == 0  # a rate-limited hook claims nothing
+        assert total(segs, Counter.ADMIT_DUPLICATE) == 5
+        assert total(segs, Counter.ADMIT_DEDUPE_PENDING) == 5
+        assert total(segs, Counter.RATE_LIMIT_REJECTED) == 2
+
+
+def test_long_event_keys_and_hooks_without_a_key(redis_server: RedisServer) -> None:
+    long_key, edge_key = "x" * 300, "y" * 200
+    hashed = b"sha256:" + hashlib.sha256(long_key.encode()).hexdigest().encode()
+    with segments(2) as segs:
+        cfgs = [fleet_config(redis_server.url, bare(s), rate=0.001, burst=4) for s in segs]
+
+        async def body() -> None:
+            async with open_fleet(cfgs[0], segs[0]) as a, open_fleet(cfgs[1], segs[1]) as b:
+                long_claim = claim_of(await admit(a, cfgs[0], long_key))
+                assert long_claim.key == dd_key("") + hashed
+                assert claim_of(await admit(a, cfgs[0], edge_key)).key == dd_key(edge_key)
+                a.settle(long_claim, Committed("hook-long"))
+                await drain_all(cfgs[0], segs[0])
+                assert await admit(b, cfgs[1], long_key) == Duplicate("hook-long")
+                # no event key: nothing to claim, nothing to settle, but charged
+                assert await admit(b, cfgs[1], None) == Admit(None)
+                assert await admit(a, cfgs[0], None) == Admit(None)
+                assert isinstance(await admit(b, cfgs[1], None), RateLimited)
+
+        run(body())
+        assert all(s.queue_depth() == 0 for s in segs)
+        with redis_server.client() as r:
+            assert sorted(r.keys(b"*:dd:*")) == sorted([dd_key("") + hashed, dd_key(edge_key)])
+
+
+# -- scopes ---------------------------------------------------------------------------------
+
+
+def test_rate_node_dedupe_fleet(redis_server: RedisServer) -> None:
+    with segments(2) as segs:
+        cfgs = [
+            fleet_config(redis_server.url, bare(s), rate_scope="node", rate=0.001, burst=2)
+            for s in segs
+        ]
+
+        async def body() -> None:
+            async with open_fleet(cfgs[0], segs[0]) as a, open_fleet(cfgs[1], segs[1]) as b:
+                assert a.state() == "closed"
+                claim_of(await admit(a, cfgs[0], "k1"))
+                claim_of(await admit(a, cfgs[0], "k2"))
+                refused = await admit(a, cfgs[0], "k3")  # this host's bucket is empty
+                assert isinstance(refused, RateLimited) and refused.retry_ms >= 1
+                assert segs[0].queue_depth() == 1  # its claim is given back...
+                with redis_server.client() as r:
+                    assert r.get(dd_key("k3")).startswith(b"p:")
+                await drain_all(cfgs[0], segs[0])
+                with redis_server.client() as r:
+                    assert r.exists(dd_key("k3")) == 0  # ...and released
+                    assert r.exists(rl_key()) == 0  # no fleet bucket is kept
+                # dedupe is still the fleet's; the other host's own bucket is full
+                assert isinstance(await admit(b, cfgs[1], "k1"), DedupePending)
+                claim_of(await admit(b, cfgs[1], "k3"))
+
+        run(body())
+        assert totals(segs[0])[Counter.SETTLED_RELEASE] == 1
+        assert totals(segs[0])[Counter.RATE_LIMIT_REJECTED] == 1
+
+
+def test_rate_fleet_dedupe_node(redis_server: RedisServer) -> None:
+    with segments(2) as segs:
+        cfgs = [
+            fleet_config(redis_server.url, bare(s), dedupe_scope="node", rate=0.001, burst=2)
+            for s in segs
+        ]
+
+        async def body() -> None:
+            async with open_fleet(cfgs[0], segs[0]) as a, open_fleet(cfgs[1], segs[1]) as b:
+                assert await admit(a, cfgs[0], "k1") == Admit(None)
+                assert await admit(b, cfgs[1], "k1") == Admit(None)  # the store's index decides
+                limited = await admit(b, cfgs[1], "k2")  # one bucket for both hosts
+                assert isinstance(limited, RateLimited) and limited.retry_ms >= 1
+                a.settle(None, Committed("nothing to settle"))
+                assert segs[0].queue_depth() == 0
+
+        run(body())
+        with redis_server.client() as r:
+            assert r.keys(b"*:dd:*") == []
+            assert r.exists(rl_key()) == 1
+
+
+def test_both_node_makes_no_store_call(redis_server: RedisServer) -> None:
+    with segments(1) as (seg,):
+        cfg = fleet_config(
+            redis_server.url, bare(seg), rate_scope="node", dedupe_scope="node", burst=2
+        )
+        with redis_server.client() as r:
+            reset_stats(r)
+
+        async def body() -> None:
+            store = RedisStore.from_config(cfg.fleet)  # given, and never used
+            async with open_fleet(cfg, seg, store=store) as fleet:
+                assert fleet.state() == "down"
+                assert not fleet.degraded("rate_limit") and not fleet.degraded("dedupe")
+                assert await admit(fleet, cfg, "k1") == Admit(None)
+                assert await admit(fleet, cfg, "k1") == Admit(None)
+                limited = await admit(fleet, cfg, "k2")
+                assert isinstance(limited, RateLimited) and limited.retry_ms >= 1
+
+        run(body())
+        assert set(redis_server.commandstats()) <= TEST_TRAFFIC
+        assert all(totals(seg)[c] == 0 for c in STORE_CALLS)
+
+
+def test_reset_tenant_forgets_fleet_and_node_buckets(redis_server: RedisServer) -> None:
+    with segments(1) as (seg,):
+        cfg = fleet_config(redis_server.url, bare(seg), rate=0.001, burst=1)
+
+        async def body() -> None:
+            async with open_fleet(cfg, seg) as fleet:
+                claim_of(await admit(fleet, cfg, "k1"))
+                assert isinstance(await admit(fleet, cfg, "k2"), RateLimited)
+                await fleet.reset_tenant("acme")
+                claim_of(await admit(fleet, cfg, "k2"))
+
+        run(body())
+
+
+# -- round trips as the server counts them ----------------------------------------------------
+
+
+def test_one_evalsha_per_admitted_hook(redis_server: RedisServer) -> None:
+    with segments(1) as (seg,):
+        cfg = fleet_config(redis_server.url, bare(seg))
+
+        async def body() -> None:
+            async with open_fleet(cfg, seg) as fleet:
+                claim_of(await admit(fleet, cfg, "warm"))  # loads the script
+                with redis_server.client() as r:
+                    reset_stats(r)
+                for i in range(20):
+                    claim_of(await admit(fleet, cfg, f"k{i}"))
+                await asyncio.gather(*(admit(fleet, cfg, f"g{i}") for i in range(20)))
+
+        run(body())
+        stats = redis_server.commandstats()
+        assert stats.pop("evalsha") == 40
+        assert set(stats) <= TEST_TRAFFIC | SCRIPT_INNER  # no EVAL, nothing outside a script
+
+
+def test_ten_thousand_settlements_in_few_round_trips(redis_server: RedisServer) -> None:
+    n = 10_000
+    with segments(1, queue_capacity=16_384) as (seg,):
+        cfg = fleet_config(redis_server.url, bare(seg), settle_batch_max=1000)
+
+        async def body() -> None:
+            async with open_fleet(cfg, seg) as fleet:
+                claims: list[Claim] = []
+                for start in range(0, n, 500):
+                    answers = await asyncio.gather(
+                        *(admit(fleet, cfg, f"k{i}") for i in range(start, start + 500))
+                    )
+                    claims += map(claim_of, answers)
+                for i, c in enumerate(claims):
+                    fleet.settle(c, Committed(f"hook-{i}"))
+            assert seg.queue_depth() == n
+            with redis_server.client() as r:
+                reset_stats(r)
+            await drain_all(cfg, seg)
+
+        run(body())
+        stats = redis_server.commandstats()
+        counted = totals(seg)
+        assert seg.queue_depth() == 0
+        assert stats.get("evalsha", 0) + stats.get("eval", 0) <= 100, stats
+        assert 0 < counted[Counter.DRAIN_ROUND_TRIPS] <= 100
+        assert counted[Counter.SETTLED_PROMOTE] == n
+        assert counted[Counter.SETTLE_DROPPED] == 0
+        with redis_server.client() as r:
+            values = committed_values(r, [dd_key(f"k{i}") for i in range(n)])
+        assert values == [f"c:hook-{i}".encode() for i in range(n)]
+
+
+# -- faults ---------------------------------------------------------------------------------
+
+BUDGET_S = (50 + 250) / 1000  # timeout_ms plus a generous margin for a noisy machine
+
+
+def breaker_config(server: RedisServer, seg: Segment, timeout_ms: int = 50) -> Config:
+    """50 ms budget; the breaker opens once 5 calls in its window failed."""
+    return fleet_config(
+        server.url,
+        bare(seg),
+        timeout_ms=timeout_ms,
+        breaker_min_calls=5,
+        breaker_failure_rate=0.5,
+        breaker_window_ms=10_000,
+        breaker_open_ms=1000,
+    )
+
+
+@asynccontextmanager
+async def breaker_fleets(
+    server: RedisServer, seg: Segment, clock: FakeClock
+) -> AsyncIterator[tuple[Config, Fleet, Fleet]]:
+    """Two fleets of one host sharing one store (one connection) and the breaker: ``fast``
+    has the 50 ms budget under test; ``patient`` (5 s) warms up and probes, so neither
+    can run out of budget by accident on a loaded machine. The warm-up call leaves the
+    breaker's window before the test goes on."""
+    cfg = breaker_config(server, seg)
+    store = RedisStore.from_config(cfg.fleet)
+    async with (
+        open_fleet(cfg, seg, clock=clock, store=store) as fast,
+        open_fleet(breaker_config(server, seg, 5000), seg, clock=clock, store=store) as patient,
+    ):
+        claim_of(await admit(patient, cfg, "warm"))  # connects, loads the script
+        clock.advance(20_000)
+        yield cfg, fast, patient
+
+
+async def timed(fleet: Fleet, cfg: Config, key: str) -> Admitted:
+    """Admit, and check the answer came within the budget."""
+    t0 = time.perf_counter()
+    answer = await admit(fleet, cfg, key)
+    took = time.perf_counter() - t0
+    assert took < BUDGET_S, f"admit took {took:.3f} s"
+    return answer
+
+
+async def fail_until_open(fleet: Fleet, cfg: Config, seg: Segment, clock: FakeClock) -> None:
+    """With the store unreachable: 5 failed calls, each answered node-local within the
+    budget, open the breaker; then admits make no store call at all."""
+    for i in range(5):
+        assert fleet.state() == "closed"
+        claim_of(await timed(fleet, cfg, f"down-{i}"))  # node-local; the claim is kept
+        clock.advance(1)
+    assert fleet.state() == "open"
+    assert fleet.degraded("rate_limit") and fleet.degraded("dedupe")
+    before = totals(seg)
+    assert sum(before[c] for c in STORE_CALLS[1:]) == 5
+    assert all(before[c] == 5 for c in FALLBACKS)
+    for i in range(5):
+        assert await timed(fleet, cfg, f"open-{i}") == Admit(None)
+        clock.advance(1)
+    after = totals(seg)
+    assert all(after[c] == before[c] for c in STORE_CALLS)
+    assert all(after[c] == 10 for c in FALLBACKS)
+    assert after[Counter.BREAKER_TO_OPEN] == 1
+
+
+async def probe_closes(fleet: Fleet, cfg: Config, server: RedisServer, clock: FakeClock) -> None:
+    """After breaker_open_ms the next admit is the probe; it succeeds and closes."""
+    clock.advance(1000)
+    probe = claim_of(await admit(fleet, cfg, "probe"))
+    assert fleet.state() == "closed"
+    assert not fleet.degraded("rate_limit") and not fleet.degraded("dedupe")
+    with server.client() as r:
+        assert r.get(dd_key("probe")) == pending_value(probe.token)
+    assert isinstance(await admit(fleet, cfg, "probe"), DedupePending)
+
+
+def test_stopped_server_costs_the_budget_and_opens_the_breaker(redis_server: RedisServer) -> None:
+    with segments(1) as (seg,):
+        clock = FakeClock()
+
+        async def body() -> None:
+            async with breaker_fleets(redis_server, seg, clock) as (cfg, fast, patient):
+                with redis_server.client() as r:
+                    reset_stats(r)
+                with stopped(redis_server.pid):
+                    await fail_until_open(fast, cfg, seg, clock)
+                    assert totals(seg)[Counter.STORE_TIMEOUT] == 5
+                await asyncio.sleep(0.3)  # the late replies come in, and are dropped
+                assert redis_server.commandstats().get("evalsha", 0) <= 5
+                await probe_closes(patient, cfg, redis_server, clock)
+
+        run(body())
+        counted = totals(seg)
+        assert counted[Counter.BREAKER_TO_OPEN] == 1
+        assert counted[Counter.BREAKER_TO_PROBING] == 1
+        assert counted[Counter.BREAKER_TO_CLOSED] == 1
+
+
+def test_one_probe_at_a_time_and_a_failed_probe_reopens(redis_server: RedisServer) -> None:
+    with segments(1) as (seg,):
+        clock = FakeClock()
+
+        async def body() -> None:
+            async with breaker_fleets(redis_server, seg, clock) as (cfg, fast, patient):
+                with stopped(redis_server.pid):
+                    await fail_until_open(fast, cfg, seg, clock)
+                    clock.advance(1000)
+                    probe = asyncio.ensure_future(timed(fast, cfg, "probe-1"))
+                    await asyncio.sleep(0.01)
+                    assert fast.state() == patient.state() == "probing"
+                    before = totals(seg)
+                    # one probe at a time: the other worker makes no call
+                    assert await timed(patient, cfg, "meanwhile") == Admit(None)
+                    assert all(totals(seg)[c] == before[c] for c in STORE_CALLS)
+                    claim_of(await probe)  # timed out: answered node-local
+                    assert fast.state() == "open"  # a failed probe opens it again
+                    assert fast.degraded("rate_limit") and fast.degraded("dedupe")
+                    assert await timed(patient, cfg, "still-open") == Admit(None)
+                await asyncio.sleep(0.3)
+                await probe_closes(patient, cfg, redis_server, clock)
+
+        run(body())
+        counted = totals(seg)
+        assert counted[Counter.BREAKER_TO_OPEN] == 2
+        assert counted[Counter.BREAKER_TO_PROBING] == 2
+        assert counted[Counter.BREAKER_TO_CLOSED] == 1
+        assert counted[Counter.STORE_TIMEOUT] == 6
+
+
+def _probe_forever(seg_name: str, cfg: Config) -> None:
+    """A worker whose admit becomes the probe and hangs on a stopped server."""
+    seg = Segment.attach(seg_name)
+    slot = procs.claim(seg.view, seg.layout, Role.WORKER)
+
+    async def main() -> None:
+        async with open_fleet(cfg, seg) as fleet:
+            await admit(fleet, cfg, "doomed-probe")
+
+    uvloop.run(main())
+    slot.release()
+
+
+def test_probe_of_a_killed_worker_is_taken_over(redis_server: RedisServer) -> None:
+    with segments(1) as (seg,):
+        cfg = fleet_config(
+            redis_server.url,
+            bare(seg),
+            timeout_ms=3000,
+            breaker_min_calls=3,
+            breaker_failure_rate=0.5,
+            breaker_open_ms=200,
+        )
+
+        async def open_it(fleet: Fleet) -> None:
+            redis_server.kill()
+            for i in range(3):  # refused at once: the breaker opens
+                claim_of(await admit(fleet, cfg, f"down-{i}"))
+            assert fleet.state() == "open"
+
+        async def take_over(fleet: Fleet) -> None:
+            assert fleet.state() == "probing"  # held by a dead worker
+            claim_of(await admit(fleet, cfg, "taken-over"))
+            assert fleet.state() == "closed"
+
+        async def body() -> None:
+            async with open_fleet(cfg, seg) as fleet:
+                await open_it(fleet)
+                redis_server.start()
+                with stopped(redis_server.pid):
+                    await asyncio.sleep(0.3)  # past breaker_open_ms
+                    with forked(_probe_forever, bare(seg), cfg) as kid:
+                        await await_until(lambda: fleet.state() == "probing", "the probe")
+                        kid.kill()
+                        kid.join(10)
+                await take_over(fleet)
+
+        run(body())
+        assert totals(seg)[Counter.BREAKER_TO_CLOSED] == 1
+
+
+def test_killed_and_restarted_server(redis_server: RedisServer) -> None:
+    with segments(1) as (seg,):
+        clock = FakeClock()
+
+        async def body() -> None:
+            async with breaker_fleets(redis_server, seg, clock) as (cfg, fast, patient):
+                redis_server.kill()
+                await fail_until_open(fast, cfg, seg, clock)
+                assert totals(seg)[Counter.STORE_ERROR] == 5
+                redis_server.start()  # same port, empty: no data, no script cache
+                await asyncio.sleep(0.3)  # past the client's reconnect pause
+                await probe_closes(patient, cfg, redis_server, clock)
+
+        run(body())
+        stats = redis_server.commandstats()
+        assert stats.get("eval") == 1  # NOSCRIPT, then EVAL, which reloads the cache
+        assert stats.get("evalsha") == 2
+        assert totals(seg)[Counter.BREAKER_TO_CLOSED] == 1
+
+
+def test_full_settle_queue_drops_and_counts(redis_server: RedisServer) -> None:
+    with segments(1, queue_capacity=16) as (seg,):
+        cfg = fleet_config(redis_server.url, bare(seg), settle_queue_size=16)
+
+        async def body() -> None:
+            async with open_fleet(cfg, seg) as fleet:
+                claims = [claim_of(await admit(fleet, cfg, f"k{i}")) for i in range(30)]
+                for i, c in enumerate(claims):
+                    fleet.settle(c, Committed(f"hook-{i}"))
+                assert seg.queue_depth() == 16
+                assert totals(seg)[Counter.SETTLE_DROPPED] == 14
+                fleet.settle(claims[0], NotStored("overloaded"))
+                fleet.release(claims[1])
+                fleet.promote(claims[2], "hook-2")
+                assert totals(seg)[Counter.SETTLE_DROPPED] == 17
+                claim_of(await admit(fleet, cfg, "after"))  # admits are unaffected
+                await drain_all(cfg, seg)
+
+        run(body())
+        counted = totals(seg)
+        assert counted[Counter.SETTLE_ENQUEUED] == 16
+        assert counted[Counter.SETTLE_DROPPED] == 17
+        assert counted[Counter.SETTLED_PROMOTE] == 16
+        with redis_server.client() as r:
+            values = committed_values(r, [dd_key(f"k{i}") for i in range(30)])
+        assert values[:16] == [f"c:hook-{i}".encode() for i in range(16)]
+        assert all(v is not None and v.startswith(b"p:") for v in values[16:])
+
+
+def test_timed_out_calls_never_corrupt_later_replies(redis_server: RedisServer) -> None:
+    with segments(2) as segs:
+        fast_cfg = fleet_config(redis_server.url, bare(segs[0]), timeout_ms=50)
+        slow_cfg = fleet_config(redis_server.url, bare(segs[0]))
+        other_cfg = fleet_config(redis_server.url, bare(segs[1]))
+
+        async def body() -> None:
+            store = RedisStore.from_config(slow_cfg.fleet)  # one connection for both fleets
+            async with (
+                open_fleet(fast_cfg, segs[0], store=store) as fast,
+                open_fleet(slow_cfg, segs[0], store=store) as slow,
+                open_fleet(other_cfg, segs[1]) as other,
+            ):
+                done = claim_of(await admit(slow, slow_cfg, "dup"))
+                slow.settle(done, Committed("hook-dup"))
+                await drain_all(slow_cfg, segs[0])
+                claim_of(await admit(other, other_cfg, "held"))
+                for cycle in range(3):
+                    with stopped(redis_server.pid):
+                        lost = await asyncio.gather(
+                            *(admit(fast, fast_cfg, f"lost-{cycle}-{j}") for j in range(3))
+                        )
+                    # written while the late replies are still on the wire
+                    a, dup, b, held = await asyncio.gather(
+                        admit(slow, slow_cfg, f"new-{cycle}-a"),
+                        admit(slow, slow_cfg, "dup"),
+                        admit(slow, slow_cfg, f"new-{cycle}-b"),
+                        admit(slow, slow_cfg, "held"),
+                    )
+                    assert claim_of(a).key == dd_key(f"new-{cycle}-a")
+                    assert claim_of(b).key == dd_key(f"new-{cycle}-b")
+                    assert dup == Duplicate("hook-dup")
+                    assert isinstance(held, DedupePending)
+                    # the timed-out calls ran late; their claims were handed back
+                    with redis_server.client() as r:
+                        for j, answer in enumerate(lost):
+                            key = dd_key(f"lost-{cycle}-{j}")
+                            assert r.get(key) == pending_value(claim_of(answer).token)
+
+        run(body())
+        assert totals(segs[0])[Counter.STORE_TIMEOUT] == 9
+
+
+def test_degraded_warning_once_per_host(redis_server: RedisServer, tmp_path: Path) -> None:
+    with segments(1) as (seg,):
+        cfg = fleet_config(redis_server.url, bare(seg), timeout_ms=50)
+
+        async def fall_back(w: Worker) -> list[Admitted]:
+            return [await w.admit(f"w{w.index}-{i}") for i in range(5)]
+
+        logs = [tmp_path / f"worker-{i}.log" for i in range(2)]
+        with stopped(redis_server.pid):
+            answers = run_workers([Job(cfg, fall_back, log) for log in logs], warm=False)
+        assert all(isinstance(a, Admit) for got in answers for a in got)
+        assert totals(seg)[Counter.FALLBACK_RATE_LIMIT] == 10
+        assert totals(seg)[Counter.FALLBACK_DEDUPE] == 10
+        lines = [ln for log in logs for ln in log.read_text().splitlines() if "node-local" in ln]
+        for kind in ("rate_limit", "dedupe"):
+            assert len([ln for ln in lines if re.search(rf"\b{kind}\b", ln)]) == 1, lines
+        assert all(" WARNING " in ln for ln in lines)

@@ -1,0 +1,117 @@
+"""Process slots: claiming, heartbeats, release, and taking over the slots of the dead."""
+
+from __future__ import annotations
+
+import os
+from multiprocessing.synchronize import Barrier, Event
+
+import pytest
+from conftest import SMALL
+from proc_helpers import CTX, Children, run_children
+
+from ankusa_shm.shm import procs
+from ankusa_shm.shm import segment as segmod
+from ankusa_shm.shm.procs import NoFreeSlot, Role
+from ankusa_shm.shm.segment import Segment
+
+
+def _hold_slot(name: str, index: int | None, held: Event, done: Event) -> int:
+    with Segment.attach(name) as s:
+        slot = procs.claim(s.view, s.layout, Role.DRAINER, index=index, now_ms=123)
+        held.set()
+        done.wait(60)
+        return slot.index
+
+
+def test_claim_publishes_pid_role_state_and_heartbeat(seg: Segment) -> None:
+    slot = procs.claim(seg.view, seg.layout, Role.WORKER, now_ms=1000)
+    assert slot.index == 0
+    (info,) = procs.read(seg.view, seg.layout)
+    assert (info.slot, info.pid, info.role, info.state) == (0, os.getpid(), "worker", "running")
+    assert info.heartbeat_ms == 1000
+    assert info.claims == 1
+    assert info.alive
+    assert info.started_ns > 0
+    slot.heartbeat(2500)
+    assert procs.read(seg.view, seg.layout)[0].heartbeat_ms == 2500
+    slot.set_state(procs.SlotState.STOPPING)
+    assert procs.read(seg.view, seg.layout)[0].state == "stopping"
+
+
+def test_release_frees_the_slot(seg: Segment) -> None:
+    slot = procs.claim(seg.view, seg.layout, Role.SUPERVISOR, index=4)
+    assert [p.slot for p in procs.read(seg.view, seg.layout)] == [4]
+    slot.release()
+    assert procs.read(seg.view, seg.layout) == []
+    again = procs.claim(seg.view, seg.layout, Role.TOOL, index=4)
+    assert procs.read(seg.view, seg.layout)[0].claims == 2
+    assert procs.read(seg.view, seg.layout)[0].role == "tool"
+    again.release()
+
+
+def test_a_live_process_keeps_its_slot(seg: Segment) -> None:
+    held, done = CTX.Event(), CTX.Event()
+    with Children() as kids:
+        child = kids.start(_hold_slot, seg.name, None, held, done)
+        assert held.wait(60)
+        (info,) = procs.read(seg.view, seg.layout)
+        assert (info.pid, info.role, info.heartbeat_ms) == (child.pid, "drainer", 123)
+        with pytest.raises(NoFreeSlot, match="slot 0"):
+            procs.claim(seg.view, seg.layout, Role.WORKER, index=0)
+        mine = procs.claim(seg.view, seg.layout, Role.WORKER)
+        assert mine.index == 1  # the first free one, not the live child's
+        done.set()
+        assert kids.collect() == [0]
+        kids.join()
+    # The child is gone: its slot may be taken, and read() says it is not alive.
+    info = next(p for p in procs.read(seg.view, seg.layout) if p.slot == 0)
+    assert not info.alive
+    assert procs.claim(seg.view, seg.layout, Role.WORKER, index=0).index == 0
+
+
+def test_force_takes_a_slot_from_a_live_pid(seg: Segment) -> None:
+    held, done = CTX.Event(), CTX.Event()
+    with Children() as kids:
+        kids.start(_hold_slot, seg.name, 2, held, done)
+        assert held.wait(60)
+        slot = procs.claim(seg.view, seg.layout, Role.WORKER, index=2, force=True)
+        assert procs.read(seg.view, seg.layout)[0].pid == os.getpid()
+        assert slot.index == 2
+        done.set()
+        kids.collect()
+
+
+def test_no_free_slot(seg_name: str) -> None:
+    params = segmod.make_params(queue_capacity=16, gcra_slots=16, process_slots=2)
+    with Segment.create(seg_name, params) as s, Children() as kids:
+        done = CTX.Event()
+        for _ in range(2):
+            held = CTX.Event()
+            kids.start(_hold_slot, seg_name, None, held, done)
+            assert held.wait(60)
+        with pytest.raises(NoFreeSlot, match="any slot of 2"):
+            procs.claim(s.view, s.layout, Role.WORKER)
+        done.set()
+        assert sorted(kids.collect()) == [0, 1]
+        kids.join()
+        assert procs.claim(s.view, s.layout, Role.WORKER).index == 0
+
+
+def _claim_at_once(i: int, name: str, start: Barrier) -> tuple[int, int]:
+    with Segment.attach(name) as s:
+        start.wait(60)
+        slot = procs.claim(s.view, s.layout, Role.WORKER)
+        start.wait(60)  # all hold their slots until every one has claimed
+        return slot.index, os.getpid()
+
+
+def test_racing_claims_get_distinct_slots(seg: Segment) -> None:
+    n = 6
+    got = run_children(n, _claim_at_once, seg.name, CTX.Barrier(n))
+    assert sorted(i for i, _ in got) == list(range(n))
+    assert {p.pid for p in procs.read(seg.view, seg.layout)} == {pid for _, pid in got}
+
+
+def test_claim_out_of_range(seg: Segment) -> None:
+    with pytest.raises(IndexError):
+        procs.claim(seg.view, seg.layout, Role.WORKER, index=SMALL.process_slots)

@@ -1,0 +1,296 @@
+"""Creating, attaching to, validating, re-attaching and replacing the segment."""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+
+import posix_ipc
+import pytest
+from conftest import SMALL
+from proc_helpers import dead_pid, live_pid
+
+from ankusa_shm.shm import layout as L
+from ankusa_shm.shm import segment as segmod
+from ankusa_shm.shm.segment import (
+    CorruptSegment,
+    ForeignSegment,
+    LayoutMismatch,
+    Segment,
+    SegmentError,
+    SegmentInUse,
+    SegmentMissing,
+)
+from ankusa_shm.shm.settle_queue import Op, Record, SettleQueue
+
+
+def _raw_segment(name: str, data: bytes) -> None:
+    """A segment of exactly ``data`` that no ankusa-shm code wrote."""
+    shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, mode=0o600, size=len(data))
+    try:
+        with mmap.mmap(shm.fd, len(data)) as mm:
+            mm[:] = data
+    finally:
+        shm.close_fd()
+
+
+def _records(n: int) -> list[Record]:
+    return [
+        Record(
+            op=Op.PROMOTE if i % 2 else Op.RELEASE,
+            key=f"ankusa:{{acme}}:dd:github:{i}".encode(),
+            token=i.to_bytes(16, "little"),
+            hook_id=f"hook-{i}".encode(),
+            ttl_ms=1000 + i,
+            claimed_ms=2000 + i,
+            enqueued_ms=3000 + i,
+        )
+        for i in range(n)
+    ]
+
+
+def _push(seg: Segment, records: list[Record]) -> None:
+    q = SettleQueue(seg.view, seg.buf, seg.layout)
+    for r in records:
+        assert q.push(r).value == "ok"
+
+
+def test_create_is_private_ready_and_self_describing(seg: Segment, seg_name: str) -> None:
+    assert os.stat("/dev/shm/" + seg_name).st_mode & 0o777 == 0o600
+    h = seg.header()
+    assert h.version == L.LAYOUT_VERSION
+    assert h.ready
+    assert h.owner_pid == os.getpid()
+    assert h.params == SMALL
+    assert h.total_size == seg.layout.total_size == os.stat("/dev/shm/" + seg_name).st_size
+    assert seg.view.load(L.H_MAGIC) == L.MAGIC
+    assert seg.queue_depth() == 0
+
+
+def test_create_ignores_a_permissive_umask(seg_name: str) -> None:
+    old = os.umask(0)
+    try:
+        with Segment.create(seg_name, SMALL):
+            assert os.stat("/dev/shm/" + seg_name).st_mode & 0o777 == 0o600
+    finally:
+        os.umask(old)
+
+
+def test_create_refuses_an_existing_name(seg: Segment) -> None:
+    with pytest.raises(SegmentError, match="already exists"):
+        Segment.create(seg.name, SMALL)
+
+
+def test_attach_missing(seg_name: str) -> None:
+    with pytest.raises(SegmentMissing, match=seg_name):
+        Segment.attach(seg_name)
+    with pytest.raises(SegmentMissing):
+        Segment.attach(seg_name, readonly=True)
+
+
+@pytest.mark.parametrize("name", ["", "/", "a/b", "x" * 251])
+def test_invalid_names(name: str) -> None:
+    with pytest.raises(SegmentError, match="invalid segment name"):
+        Segment.attach(name)
+
+
+def test_attach_garbage_is_foreign(seg_name: str) -> None:
+    data = secrets.token_bytes(8192)
+    if data[:8] == L.MAGIC.to_bytes(8, "little"):  # pragma: no cover - 2**-64
+        data = bytes(8) + data[8:]
+    _raw_segment(seg_name, data)
+    with pytest.raises(ForeignSegment, match="bad magic"):
+        Segment.attach(seg_name)
+    with pytest.raises(ForeignSegment):
+        Segment.attach(seg_name, readonly=True)
+
+
+@pytest.mark.parametrize("size", [8, 1000, L.HEADER_BYTES - 8])
+def test_attach_truncated_is_foreign(seg_name: str, size: int) -> None:
+    _raw_segment(seg_name, L.MAGIC.to_bytes(8, "little") + bytes(size - 8))
+    with pytest.raises(ForeignSegment, match="too small"):
+        Segment.attach(seg_name)
+
+
+def test_attach_another_layout_version(seg: Segment) -> None:
+    with Segment.attach(seg.name) as w:
+        w.view.store(L.H_VERSION, L.LAYOUT_VERSION + 1)
+    with pytest.raises(LayoutMismatch, match=f"layout version {L.LAYOUT_VERSION + 1}"):
+        Segment.attach(seg.name)
+    with pytest.raises(LayoutMismatch):
+        Segment.attach(seg.name, readonly=True)
+
+
+def test_attach_another_counter_count(seg: Segment) -> None:
+    seg.view.store(L.param_offsets()["counters"], SMALL.counters + 1)
+    with pytest.raises(LayoutMismatch, match="counters"):
+        Segment.attach(seg.name)
+
+
+@pytest.mark.parametrize("region", L.REGIONS)
+def test_attach_altered_region_table(seg: Segment, region: str) -> None:
+    o_off, o_size = L.region_offsets(region)
+    seg.view.add(o_off, L.LINE)
+    with pytest.raises(CorruptSegment, match=repr(region)):
+        Segment.attach(seg.name)
+    seg.view.add(o_off, -L.LINE)
+    seg.view.add(o_size, -L.LINE)
+    with pytest.raises(CorruptSegment, match=repr(region)):
+        Segment.attach(seg.name, readonly=True)
+    seg.view.add(o_size, L.LINE)
+    Segment.attach(seg.name).close()  # restored: whole again
+
+
+def test_attach_header_contradicting_its_size(seg: Segment, seg_name: str) -> None:
+    seg.view.store(L.H_TOTAL_SIZE, seg.layout.total_size + 4096)
+    with pytest.raises(CorruptSegment):
+        Segment.attach(seg_name)
+    seg.view.store(L.H_TOTAL_SIZE, seg.layout.total_size)
+    seg.view.store(L.param_offsets()["queue_capacity"], 0)
+    with pytest.raises(CorruptSegment, match="queue_capacity"):
+        Segment.attach(seg_name)
+
+
+def test_attach_truncated_real_segment(seg: Segment, seg_name: str) -> None:
+    shm = posix_ipc.SharedMemory("/" + seg_name)
+    try:
+        os.ftruncate(shm.fd, L.HEADER_BYTES)  # the header survives, the regions do not
+    finally:
+        shm.close_fd()
+    with pytest.raises(CorruptSegment, match="bytes"):
+        Segment.attach(seg_name)
+
+
+def test_attach_never_ready(seg: Segment, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(segmod, "_READY_WAIT_S", 0.1)
+    seg.view.store(L.H_READY, 0)
+    with pytest.raises(CorruptSegment, match="never became ready"):
+        Segment.attach(seg.name)
+
+
+def test_read_only_attach_reads_live_and_cannot_write(seg: Segment) -> None:
+    with Segment.attach(seg.name, readonly=True) as r:
+        assert r.readonly
+        assert r.view.writable is False
+        assert r.header() == seg.header()
+        word = seg.layout.offset("gcra")
+        seg.view.store(word, 42)
+        assert r.view.load(word) == 42  # one mapping of the same memory
+        with pytest.raises(TypeError):
+            r.view.store(word, 1)
+        with pytest.raises(TypeError):
+            r.view.add(word, 1)
+        with pytest.raises(TypeError):
+            r.view.cas(word, 42, 1)
+        with pytest.raises(TypeError):
+            r.buf[word] = 1
+        assert seg.view.load(word) == 42
+
+
+def test_open_for_owner_creates_when_missing(seg_name: str) -> None:
+    with Segment.open_for_owner(seg_name, SMALL) as s:
+        assert s.header().owner_pid == os.getpid()
+        assert s.header().params == SMALL
+
+
+def test_open_for_owner_reattaches_and_keeps_the_queue(seg: Segment) -> None:
+    records = _records(5)
+    _push(seg, records)
+    seg.write_config({"hello": "world"})
+    created = seg.header().created_ns
+    gone = dead_pid()
+    seg.view.store(L.H_OWNER_PID, gone)
+    seg.close()
+
+    with Segment.open_for_owner(seg.name, SMALL) as s:
+        h = s.header()
+        assert h.owner_pid == os.getpid()
+        assert h.created_ns == created  # the same segment, not a new one
+        assert s.queue_depth() == 5
+        q = SettleQueue(s.view, s.buf, s.layout)
+        q.become_consumer()
+        batch, skipped = q.peek(100, now_ms=0)
+        assert skipped == 0
+        assert batch.records == records
+        assert s.read_config() == {"hello": "world"}
+
+
+def test_open_for_owner_replaces_other_params(
+    seg: Segment, caplog: pytest.LogCaptureFixture
+) -> None:
+    _push(seg, _records(3))
+    seg.view.store(L.H_OWNER_PID, dead_pid())
+    seg.close()
+    other = segmod.make_params(queue_capacity=512, gcra_slots=1024, process_slots=64)
+    with caplog.at_level(logging.WARNING, logger="ankusa_shm.segment"):
+        s = Segment.open_for_owner(seg.name, other)
+    with s:
+        assert s.header().params == other
+        assert s.queue_depth() == 0
+        assert s.header().owner_pid == os.getpid()
+    assert "3 queued settle operations lost" in caplog.text
+
+
+def test_open_for_owner_replaces_a_foreign_segment(seg_name: str) -> None:
+    _raw_segment(seg_name, secrets.token_bytes(8192))
+    with Segment.open_for_owner(seg_name, SMALL) as s:
+        assert s.header().params == SMALL
+    Segment.attach(seg_name).close()
+
+
+def test_open_for_owner_refuses_a_live_owner(seg: Segment) -> None:
+    _push(seg, _records(2))
+    with live_pid() as pid:
+        seg.view.store(L.H_OWNER_PID, pid)
+        with pytest.raises(SegmentInUse, match=str(pid)):
+            Segment.open_for_owner(seg.name, SMALL)
+        # Untouched: still the live owner's, queue intact.
+        assert seg.header().owner_pid == pid
+        assert seg.queue_depth() == 2
+
+
+def test_open_for_owner_by_the_owner_itself(seg: Segment) -> None:
+    _push(seg, _records(2))
+    with Segment.open_for_owner(seg.name, SMALL) as s:
+        assert s.queue_depth() == 2
+
+
+def test_config_snapshot_round_trip(seg: Segment) -> None:
+    assert seg.read_config() == {}
+    snap: dict[str, object] = {"fleet": {"breaker_window_ms": 10_000}, "sources": 2, "ü": [1]}
+    seg.write_config(snap)
+    assert seg.read_config() == snap
+    gen = seg.view.load(seg.layout.offset("config") + L.CF_GENERATION)
+    assert gen % 2 == 0 and gen > 0
+    seg.write_config({"a": 1})  # shorter than the last: no tail of the old one
+    assert seg.read_config() == {"a": 1}
+    with Segment.attach(seg.name, readonly=True) as r:
+        assert r.read_config() == {"a": 1}
+
+
+def test_config_snapshot_too_large(seg: Segment) -> None:
+    seg.write_config({"x": "y" * L.CONFIG_BYTES})
+    assert seg.read_config() == {"truncated": True}
+
+
+def test_close_twice_and_use_after_close(seg_name: str) -> None:
+    s = Segment.create(seg_name, SMALL)
+    s.close()
+    s.close()
+    with pytest.raises(SegmentError, match="closed"):
+        _ = s.view
+    with pytest.raises(SegmentError, match="closed"):
+        _ = s.buf
+    with Segment.attach(seg_name, readonly=True) as r:
+        pass
+    r.close()
+
+
+def test_unlink(seg: Segment) -> None:
+    assert segmod.unlink(seg.name) is True
+    assert segmod.unlink(seg.name) is False
+    with pytest.raises(SegmentMissing):
+        Segment.attach(seg.name)
+    seg.view.store(seg.layout.offset("gcra"), 1)  # the mapping stays valid until closed

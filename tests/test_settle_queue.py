@@ -1,0 +1,434 @@
+"""The settle queue: a bounded MPSC ring in the segment that no dead process can wedge.
+
+Producers and the consumer are real forked processes where it matters. Time for the
+abandonment grace period is injected (``now_ms``), so nothing waits on a real clock.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from multiprocessing.synchronize import Barrier, Event
+from typing import cast
+
+import pytest
+from conftest import SMALL
+from proc_helpers import CTX, Children, dead_pid, run_children
+
+from ankusa_shm._atomics import AtomicView
+from ankusa_shm.shm import counters, settle_queue
+from ankusa_shm.shm import layout as L
+from ankusa_shm.shm import segment as segmod
+from ankusa_shm.shm.counters import Counter, CounterRow
+from ankusa_shm.shm.segment import Segment
+from ankusa_shm.shm.settle_queue import (
+    ConsumerTaken,
+    Op,
+    Pushed,
+    Record,
+    RecordTooLarge,
+    SettleQueue,
+)
+
+GRACE_MS = 200
+PRODUCERS = 3
+PER_PRODUCER = 20_000
+
+
+def rec(seq: int, producer: int = 0, *, key: bytes | None = None, op: Op = Op.PROMOTE) -> Record:
+    """A record that says who pushed it, and which of that producer's it is."""
+    return Record(
+        op=op,
+        key=key if key is not None else b"ankusa:{acme}:dd:github:%d" % seq,
+        token=seq.to_bytes(8, "little") + producer.to_bytes(8, "little"),
+        hook_id=b"%d:%d" % (producer, seq),
+        ttl_ms=259_200_000,
+        claimed_ms=seq,
+        enqueued_ms=seq + 1,
+    )
+
+
+def origin(r: Record) -> tuple[int, int]:
+    producer, seq = r.hook_id.split(b":")
+    return int(producer), int(seq)
+
+
+def queue(seg: Segment, grace_ms: int = settle_queue.ABANDON_GRACE_MS) -> SettleQueue:
+    return SettleQueue(seg.view, seg.buf, seg.layout, grace_ms=grace_ms)
+
+
+def drain(q: SettleQueue, now_ms: int = 0) -> list[Record]:
+    """Everything published, peeked and committed."""
+    out: list[Record] = []
+    while True:
+        batch, skipped = q.peek(100, now_ms)
+        assert skipped == 0
+        if not batch.records:
+            return out
+        out += batch.records
+        q.commit(batch)
+
+
+# -- one process --------------------------------------------------------------------------
+
+
+def test_round_trip_preserves_every_field(seg: Segment) -> None:
+    q = queue(seg)
+    records = [
+        Record(Op.RELEASE, "ключ:{t}:dd".encode(), os.urandom(16), b"01J0-hook", -1, 2**62, 0),
+        Record(Op.PROMOTE, b"", bytes(16), b"", 0, -(2**63), 2**63 - 1),
+        Record(Op.PROMOTE, b"k" * (L.RECORD_MAX_PAYLOAD - 255), b"\xff" * 16, b"h" * 255, 1, 2, 3),
+    ]
+    for r in records:
+        assert q.push(r) is Pushed.OK
+    assert q.depth() == 3
+    q.become_consumer()
+    batch, skipped = q.peek(10, now_ms=0)
+    assert skipped == 0
+    assert batch.records == records
+    assert (batch.start, batch.end) == (0, 3)
+
+
+def test_record_too_large_names_the_limit(seg: Segment) -> None:
+    q = queue(seg)
+    limit = L.RECORD_MAX_PAYLOAD
+    too_big = Record(Op.PROMOTE, b"k" * (limit - 9), bytes(16), b"h" * 10, 0, 0, 0)
+    with pytest.raises(RecordTooLarge, match=f"{limit + 1} bytes.*{limit}-byte"):
+        q.push(too_big)
+    with pytest.raises(RecordTooLarge):
+        q.push(Record(Op.PROMOTE, b"k", bytes(16), b"h" * 256, 0, 0, 0))
+    with pytest.raises(ValueError):  # a claim token is 16 bytes
+        q.push(Record(Op.PROMOTE, b"k", bytes(15), b"h", 0, 0, 0))
+    assert q.depth() == 0  # a refused record reserves nothing
+    assert q.push(Record(Op.PROMOTE, b"k" * (limit - 10), bytes(16), b"h" * 10, 0, 0, 0)).value
+    assert q.depth() == 1
+
+
+def test_full_ring_refuses_exactly_the_overflow(seg: Segment) -> None:
+    q = queue(seg)
+    cap = SMALL.queue_capacity
+    results = [q.push(rec(i)) for i in range(cap + 7)]
+    assert results.count(Pushed.OK) == cap
+    assert results[cap:] == [Pushed.FULL] * 7
+    assert q.depth() == cap
+    q.become_consumer()
+    batch, _ = q.peek(3, now_ms=0)
+    assert q.push(rec(9999)) is Pushed.FULL  # peeked is not freed
+    q.commit(batch)
+    assert [q.push(rec(cap + i)) for i in range(4)] == [Pushed.OK] * 3 + [Pushed.FULL]
+    got = drain(q)
+    assert [origin(r)[1] for r in got] == list(range(3, cap + 3))
+
+
+def test_peek_twice_loses_nothing_before_commit(seg: Segment) -> None:
+    q = queue(seg)
+    for i in range(10):
+        q.push(rec(i))
+    q.become_consumer()
+    first, _ = q.peek(4, now_ms=0)
+    again, _ = q.peek(4, now_ms=0)
+    assert first.records == again.records == [rec(i) for i in range(4)]
+    assert q.depth() == 10
+    q.commit(first)
+    assert q.depth() == 6
+    rest, _ = q.peek(100, now_ms=0)
+    assert rest.records == [rec(i) for i in range(4, 10)]
+    q.commit(rest)
+    assert q.depth() == 0
+    empty, skipped = q.peek(100, now_ms=0)
+    assert (empty.records, skipped) == ([], 0)
+
+
+def test_ring_wraps_many_times(seg: Segment) -> None:
+    q = queue(seg)
+    q.become_consumer()
+    seq = 0
+    for _ in range(5):
+        for _ in range(SMALL.queue_capacity - 1):
+            assert q.push(rec(seq)) is Pushed.OK
+            seq += 1
+        assert [origin(r)[1] for r in drain(q)] == list(range(seq - SMALL.queue_capacity + 1, seq))
+    assert q.depth() == 0
+
+
+def test_a_stale_enqueue_position_is_not_a_full_ring(seg: Segment) -> None:
+    """A producer that read the enqueue position just before another producer reserved
+    it, and then finds that producer copying into the slot, must move on to the next
+    position: the ring is nearly empty, not full."""
+
+    class StaleFirstRead:
+        def __init__(self, view: AtomicView, enq: int) -> None:
+            self._view, self._enq, self._stale = view, enq, True
+
+        def load(self, offset: int) -> int:
+            value = self._view.load(offset)
+            if offset == self._enq and self._stale:
+                self._stale = False
+                return value - 1
+            return value
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self._view, name)
+
+    base = seg.layout.offset("queue")
+    # Another producer has reserved position 0 and is copying its record in.
+    seg.view.store(base + L.Q_ENQUEUE, 1)
+    seg.view.store(base + L.Q_SLOTS + L.QS_SEQ, 0 | L.QS_WRITING)
+    stale = cast(AtomicView, StaleFirstRead(seg.view, base + L.Q_ENQUEUE))
+    q = SettleQueue(stale, seg.buf, seg.layout)
+    assert q.push(rec(1)) is Pushed.OK
+    assert seg.view.load(base + L.Q_ENQUEUE) == 2
+
+
+# -- the consumer role ----------------------------------------------------------------------
+
+
+def _consume_some_then_die(name: str) -> int:
+    with Segment.attach(name) as s:
+        q = queue(s)
+        q.become_consumer()
+        batch, _ = q.peek(3, now_ms=0)
+        q.commit(batch)
+        q.peek(4, now_ms=0)  # delivered maybe, never committed: then killed
+        return q.consumer_pid()
+
+
+def test_a_new_consumer_starts_where_the_dead_one_committed(seg: Segment) -> None:
+    q = queue(seg)
+    for i in range(10):
+        q.push(rec(i))
+    (child_pid,) = run_children(1, lambda i, name: _consume_some_then_die(name), seg.name)
+    assert q.consumer_pid() == child_pid  # it never resigned
+    assert q.depth() == 7
+    q.become_consumer()
+    assert q.consumer_pid() == os.getpid()
+    assert [origin(r)[1] for r in drain(q)] == list(range(3, 10))
+
+
+def _hold_consumer(name: str, holding: Event, release: Event) -> None:
+    with Segment.attach(name) as s:
+        q = queue(s)
+        q.become_consumer()
+        holding.set()
+        release.wait(60)
+
+
+def test_one_consumer_at_a_time(seg: Segment) -> None:
+    q = queue(seg)
+    holding, release = CTX.Event(), CTX.Event()
+    with Children() as kids:
+        child = kids.start(_hold_consumer, seg.name, holding, release)
+        assert holding.wait(60)
+        with pytest.raises(ConsumerTaken, match=str(child.pid)):
+            q.become_consumer()
+        release.set()
+        kids.collect()
+        kids.join()
+    q.become_consumer()  # its holder is gone
+    q.become_consumer()  # and again: it is ours
+    assert q.consumer_pid() == os.getpid()
+    q.resign_consumer()
+    assert q.consumer_pid() == 0
+
+
+def test_a_dead_consumer_is_replaced(seg: Segment) -> None:
+    q = queue(seg)
+    seg.view.store(seg.layout.offset("queue") + L.Q_CONSUMER, dead_pid())
+    q.become_consumer()
+    assert q.consumer_pid() == os.getpid()
+
+
+# -- many producers -----------------------------------------------------------------------
+
+
+def _produce(i: int, name: str, n: int, retry: bool, start: Barrier) -> tuple[int, int, int]:
+    """Push n records; returns (pushes attempted, FULL answers, records given up)."""
+    attempts = fulls = dropped = 0
+    with Segment.attach(name) as s:
+        q = queue(s)
+        start.wait(60)
+        for seq in range(n):
+            r = rec(seq, i)
+            while True:
+                attempts += 1
+                result = q.push(r)
+                if result is Pushed.OK:
+                    break
+                assert result is Pushed.FULL, result
+                fulls += 1
+                if not retry:
+                    dropped += 1
+                    break
+                os.sched_yield()
+    return attempts, fulls, dropped
+
+
+def _consume_concurrently(seg: Segment, kids: Children, expected: int) -> dict[int, list[int]]:
+    q = queue(seg)
+    q.become_consumer()
+    got: dict[int, list[int]] = {p: [] for p in range(PRODUCERS)}
+    n = 0
+    deadline = time.monotonic() + 120
+    while n < expected:
+        batch, skipped = q.peek(500, now_ms=0)  # a still clock: nothing is ever abandoned
+        assert skipped == 0
+        for r in batch.records:
+            p, seq = origin(r)
+            assert r == rec(seq, p)
+            got[p].append(seq)
+        q.commit(batch)
+        n += len(batch.records)
+        if not batch.records:
+            assert time.monotonic() < deadline, f"consumed {n} of {expected}"
+            if not any(p.is_alive() for p in kids.procs) and q.depth() == 0:
+                break
+            time.sleep(0.0005)
+    return got
+
+
+@pytest.mark.parametrize("retry", [True, False], ids=["retry-on-full", "drop-on-full"])
+def test_producers_and_consumer_concurrently(seg: Segment, retry: bool) -> None:
+    with Children() as kids:
+        start = CTX.Barrier(PRODUCERS)
+        for p in range(PRODUCERS):
+            kids.start(_produce, p, seg.name, PER_PRODUCER, retry, start)
+        got = _consume_concurrently(seg, kids, PRODUCERS * PER_PRODUCER)
+        results = kids.collect()
+        kids.join()
+    attempted = sum(a for a, _, _ in results)
+    fulls = sum(f for _, f, _ in results)
+    consumed = sum(len(v) for v in got.values())
+    assert consumed + fulls == attempted
+    for p, (_, _, dropped) in enumerate(results):
+        seqs = got[p]
+        assert seqs == sorted(set(seqs)), f"producer {p}: out of order or twice"
+        assert len(seqs) + dropped == PER_PRODUCER
+        if retry:
+            assert seqs == list(range(PER_PRODUCER))
+    assert queue(seg).depth() == 0
+    assert seg.view.load(seg.layout.offset("queue") + L.Q_ENQUEUE) > 2 * SMALL.queue_capacity
+
+
+def test_concurrent_producers_never_see_a_false_full(seg_name: str) -> None:
+    per = 3000
+    params = segmod.make_params(queue_capacity=PRODUCERS * per, gcra_slots=16, process_slots=8)
+    with Segment.create(seg_name, params) as s:
+        results = run_children(PRODUCERS, _produce, s.name, per, False, CTX.Barrier(PRODUCERS))
+        assert [f for _, f, _ in results] == [0] * PRODUCERS  # room for all: never full
+        q = queue(s)
+        assert q.depth() == PRODUCERS * per
+        q.become_consumer()
+        got = drain(q)
+    for p in range(PRODUCERS):
+        assert [seq for prod, seq in map(origin, got) if prod == p] == list(range(per))
+
+
+# -- producers that die or stall between reserving and publishing --------------------------
+
+
+def _reserve_and_hang(name: str, reserved: Event) -> None:
+    def pause() -> None:
+        reserved.set()
+        time.sleep(3600)  # until SIGKILL
+
+    with Segment.attach(name) as s:
+        settle_queue._pause_after_reserve = pause
+        queue(s).push(rec(0, 9))
+
+
+def _push_records(i: int, name: str, seqs: list[int]) -> list[str]:
+    with Segment.attach(name) as s:
+        q = queue(s)
+        return [q.push(rec(seq, 1)).value for seq in seqs]
+
+
+def test_a_producer_killed_after_reserving_does_not_wedge_the_queue(seg: Segment) -> None:
+    reserved = CTX.Event()
+    with Children() as kids:
+        victim = kids.start(_reserve_and_hang, seg.name, reserved)
+        assert reserved.wait(60)
+        victim.kill()
+        victim.join(60)
+    assert run_children(1, _push_records, seg.name, [1, 2, 3]) == [["ok"] * 3]
+
+    row = CounterRow(seg.view, seg.layout, 0)
+    q = queue(seg, grace_ms=GRACE_MS)
+    q.become_consumer()
+    assert q.depth() == 4
+    t = 50_000
+    for now in (t, t + GRACE_MS - 1):  # within the grace period: wait for the producer
+        batch, skipped = q.peek(10, now)
+        assert (batch.records, skipped) == ([], 0)
+    batch, skipped = q.peek(10, t + GRACE_MS)
+    assert skipped == 1
+    row.add(Counter.SETTLE_ABANDONED, skipped)
+    assert batch.records == [rec(s, 1) for s in (1, 2, 3)]
+    q.commit(batch)
+    assert q.depth() == 0
+    assert counters.totals(seg.view, seg.layout)[Counter.SETTLE_ABANDONED] == 1
+    # The slot went back into the ring: the queue keeps working, laps included.
+    for lap in range(2):
+        for i in range(SMALL.queue_capacity):
+            assert q.push(rec(i, lap)) is Pushed.OK
+        assert [origin(r) for r in drain(q, t + GRACE_MS)] == [
+            (lap, i) for i in range(SMALL.queue_capacity)
+        ]
+
+
+def test_a_producer_killed_while_copying_does_not_wedge_the_queue(seg: Segment) -> None:
+    base = seg.layout.offset("queue")
+    # What a producer leaves when it dies halfway through copying its record.
+    seg.view.store(base + L.Q_ENQUEUE, 1)
+    seg.view.store(base + L.Q_SLOTS + L.QS_SEQ, 0 | L.QS_WRITING)
+    q = queue(seg, grace_ms=GRACE_MS)
+    assert q.push(rec(1)) is Pushed.OK
+    q.become_consumer()
+    assert q.peek(10, 0)[0].records == []
+    batch, skipped = q.peek(10, GRACE_MS)
+    assert (batch.records, skipped) == ([rec(1)], 1)
+
+
+def _reserve_and_wait(name: str, reserved: Event, resume: Event) -> str:
+    def pause() -> None:
+        reserved.set()
+        assert resume.wait(60)
+
+    with Segment.attach(name) as s:
+        settle_queue._pause_after_reserve = pause
+        return queue(s).push(rec(7, 5)).value
+
+
+def test_a_producer_stalled_past_the_grace_period_is_told_abandoned(seg: Segment) -> None:
+    reserved, resume = CTX.Event(), CTX.Event()
+    q = queue(seg, grace_ms=GRACE_MS)
+    q.become_consumer()
+    with Children() as kids:
+        kids.start(_reserve_and_wait, seg.name, reserved, resume)
+        assert reserved.wait(60)
+        assert q.peek(10, 0) == (q.peek(10, GRACE_MS - 1)[0], 0)
+        batch, skipped = q.peek(10, GRACE_MS)
+        assert (batch.records, skipped) == ([], 1)
+        resume.set()
+        assert kids.collect() == ["abandoned"]
+        kids.join()
+    # Its record is not delivered, and the queue carries on.
+    assert q.push(rec(8)) is Pushed.OK
+    assert drain(q, 10 * GRACE_MS) == [rec(8)]
+    assert q.depth() == 0
+
+
+def test_a_producer_that_resumes_within_the_grace_period_is_delivered(seg: Segment) -> None:
+    reserved, resume = CTX.Event(), CTX.Event()
+    q = queue(seg, grace_ms=GRACE_MS)
+    q.become_consumer()
+    with Children() as kids:
+        kids.start(_reserve_and_wait, seg.name, reserved, resume)
+        assert reserved.wait(60)
+        assert q.peek(10, 0)[0].records == []
+        assert q.peek(10, GRACE_MS - 1)[0].records == []
+        resume.set()
+        assert kids.collect() == ["ok"]
+        kids.join()
+    # Published before the consumer gave up on it: delivered, however late it looks now.
+    batch, skipped = q.peek(10, 100 * GRACE_MS)
+    assert (batch.records, skipped) == ([rec(7, 5)], 0)
