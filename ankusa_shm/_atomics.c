@@ -41,8 +41,13 @@ word_at(AtomicView *self, PyObject *arg, int for_write)
         return NULL;
     }
     Py_ssize_t off = PyLong_AsSsize_t(arg);
-    if (off == -1 && PyErr_Occurred())
+    if (off == -1 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_IndexError, "offset outside any buffer");
+        }
         return NULL;
+    }
     if (off < 0 || off > self->view.len - 8) {
         PyErr_Format(PyExc_IndexError, "offset %zd outside buffer of %zd bytes", off,
                      self->view.len);

@@ -92,6 +92,8 @@ def test_bad_arguments(page: mmap.mmap) -> None:
     with pytest.raises(OverflowError):
         v.store(8, 2**63)  # not an int64: refused, not truncated
     assert v.load(8) == 0
+    with pytest.raises(IndexError):
+        v.load(2**70)  # an offset beyond any buffer is out of range, whatever its size
     v.release()
 
 

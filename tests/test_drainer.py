@@ -9,7 +9,6 @@ import signal
 import time
 from pathlib import Path
 
-from conftest import RedisServer
 from fleet_helpers import (
     CTX,
     TENANT,
@@ -47,6 +46,7 @@ from ankusa_shm.shm.counters import Counter
 from ankusa_shm.shm.procs import Role
 from ankusa_shm.shm.segment import Segment
 from ankusa_shm.shm.settle_queue import SettleQueue
+from ankusa_shm.testing import RedisServer
 
 
 def claim_of(answer: Admitted) -> Claim:

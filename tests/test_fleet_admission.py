@@ -12,7 +12,6 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 import uvloop
-from conftest import RedisServer
 from fleet_helpers import (
     TEST_TRAFFIC,
     FakeClock,
@@ -55,6 +54,7 @@ from ankusa_shm.shm.counters import Counter
 from ankusa_shm.shm.procs import Role
 from ankusa_shm.shm.segment import Segment
 from ankusa_shm.shm.settle_queue import Op, Record
+from ankusa_shm.testing import RedisServer
 
 STORE_CALLS = (Counter.STORE_OK, Counter.STORE_ERROR, Counter.STORE_TIMEOUT)
 SCRIPT_INNER = frozenset({"get", "set", "pttl", "time", "del"})  # counted inside scripts
@@ -248,6 +248,25 @@ def test_rate_node_dedupe_fleet(redis_server: RedisServer) -> None:
         run(body())
         assert totals(segs[0])[Counter.SETTLED_RELEASE] == 1
         assert totals(segs[0])[Counter.RATE_LIMIT_REJECTED] == 1
+
+
+def test_keyless_hook_with_node_rate_makes_no_store_call(redis_server: RedisServer) -> None:
+    """Dedupe is the fleet's but the hook has no event key, and its rate limit is the
+    host's: there is nothing to ask Redis, so nothing is asked."""
+    with segments(1) as (seg,):
+        cfg = fleet_config(redis_server.url, bare(seg), rate_scope="node", burst=2)
+        with redis_server.client() as r:
+            reset_stats(r)
+
+        async def body() -> None:
+            async with open_fleet(cfg, seg) as fleet:
+                assert await admit(fleet, cfg, None) == Admit(None)
+                assert await admit(fleet, cfg, None) == Admit(None)
+                assert isinstance(await admit(fleet, cfg, None), RateLimited)
+
+        run(body())
+        assert set(redis_server.commandstats()) <= TEST_TRAFFIC
+        assert all(totals(seg)[c] == 0 for c in (*STORE_CALLS, *FALLBACKS))
 
 
 def test_rate_fleet_dedupe_node(redis_server: RedisServer) -> None:

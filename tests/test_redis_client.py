@@ -7,7 +7,6 @@ import asyncio
 import ssl
 
 import pytest
-from conftest import RedisServer
 from fleet_helpers import run, stopped
 
 from ankusa_shm import config
@@ -20,6 +19,7 @@ from ankusa_shm.fleet.redis_client import (
     parse_url,
 )
 from ankusa_shm.fleet.redis_store import RedisStore
+from ankusa_shm.testing import RedisServer
 
 
 def test_pack_encodes_resp() -> None:

@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-from conftest import RedisServer, free_port
 from fleet_helpers import (
     TIMEOUT_S,
     admit,
@@ -35,6 +34,7 @@ from ankusa_shm.fleet.redis_client import ClusterClient
 from ankusa_shm.fleet.redis_store import RedisStore
 from ankusa_shm.hooks import Committed, NotStored
 from ankusa_shm.shm.counters import Counter
+from ankusa_shm.testing import RedisServer, free_port
 
 Addr = tuple[str, int]
 

@@ -28,7 +28,7 @@ from ankusa_shm.fleet.redis_client import RedisError
 from ankusa_shm.fleet.redis_store import RedisStore
 from ankusa_shm.hooks import AlreadyStored, CommitResult, Committed, Envelope
 from ankusa_shm.limits import Limit
-from ankusa_shm.shm.breaker import Breaker, Permit, Policy
+from ankusa_shm.shm.breaker import Breaker, Permit, Policy, State
 from ankusa_shm.shm.counters import Counter
 from ankusa_shm.shm.degraded import Degraded
 from ankusa_shm.shm.gcra import GcraTable
@@ -126,12 +126,15 @@ class Fleet:
         """Charge the tenant and claim the event key, in whatever scope the config says."""
         now = self._clock()
         limit = self._limits.limit_for(source.tenant)
-        if not self._kinds:
+        claims = self._dedupe_fleet and envelope.event_key is not None
+        if not (self._rate_fleet or claims):
+            # Nothing for the fleet to do: both scopes node, or a keyless hook whose rate
+            # limit is the host's. No store call, no breaker sample.
             return self._tally(self._take_local(source.tenant, limit, now, None))
         assert self._store is not None
         now_ms = now // 1_000_000
         claim = None
-        if self._dedupe_fleet and envelope.event_key is not None:
+        if envelope.event_key is not None and claims:
             ttl_s = source.dedupe.ttl_seconds if source.dedupe else DEFAULT_DEDUPE_TTL_S
             key = self._store.dedupe_key(source.tenant, source.id, envelope.event_key)
             claim = Claim(key, os.urandom(16), ttl_s * 1000, now_ms + self._budget_ms)
@@ -223,8 +226,9 @@ class Fleet:
             self._breaker.record(ok, now_ms)
         if not ok:
             return None
-        for kind in self._kinds:
-            self._degraded.set(kind, False)
+        if self._breaker.state() == State.CLOSED:  # a late success while open changes nothing
+            for kind in self._kinds:
+                self._degraded.set(kind, False)
         if verdict == redis_store.DUPLICATE:
             assert isinstance(value, bytes)
             return Duplicate(value.decode())

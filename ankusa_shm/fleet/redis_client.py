@@ -184,6 +184,7 @@ class Client:
         self._conn: Connection | None = None
         self._connecting: asyncio.Future[Connection] | None = None
         self._failed_at = 0.0
+        self._closed = False
 
     async def call(self, *args: Arg) -> Reply:
         """One command; an error reply raises ``ReplyError``."""
@@ -209,6 +210,8 @@ class Client:
     async def _connection(self) -> Connection:
         if self._conn is not None and not self._conn.closed:
             return self._conn
+        if self._closed:
+            raise RedisError(f"{self.endpoint.name}: client closed")
         if self._connecting is None:
             if time.monotonic() - self._failed_at < self._retry_connect_s:
                 raise RedisError(f"{self.endpoint.name}: not connected (recent connect failed)")
@@ -261,10 +264,14 @@ class Client:
             if bad is not None:
                 conn.close(RedisError("handshake failed"))
                 raise RedisError(f"{ep.name}: {bad}")
+        if self._closed:  # closed while we were connecting: do not leave this one open
+            conn.close(RedisError("client closed"))
+            raise RedisError(f"{ep.name}: client closed")
         self._conn = conn
         return conn
 
     async def close(self) -> None:
+        self._closed = True
         if self._conn is not None:
             self._conn.close(RedisError("client closed"))
             self._conn = None
