@@ -20,8 +20,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import urlsplit
 
+from ankusa_shm.fleet.redis_client import parse_url
 from ankusa_shm.limits import Limit
 
 Scope = Literal["node", "fleet"]
@@ -74,24 +75,10 @@ def _addresses(v: list[str]) -> str | None:
 
 
 def _redis_url(v: str) -> str | None:
-    parts = urlsplit(v)
-    if parts.scheme not in ("redis", "rediss", "unix"):
-        return f"scheme {parts.scheme!r} is not redis://, rediss:// or unix://"
-    if parts.password:
-        return "must not carry a password; use fleet.password_env or fleet.password_file"
-    # what the Redis client will read from it must be readable: port, database, socket path
     try:
-        _ = parts.port
-    except ValueError:
-        return f"{v!r} has no valid port"
-    if parts.scheme == "unix":
-        if not parts.path:
-            return f"{v!r} names no socket path"
-        db = parse_qs(parts.query).get("db", ["0"])[0]
-    else:
-        db = parts.path.lstrip("/") or "0"
-    if not db.isdigit():
-        return f"database {db!r} is not a whole number"
+        parse_url(v)
+    except ValueError as e:
+        return str(e)
     return None
 
 

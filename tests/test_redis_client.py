@@ -58,10 +58,11 @@ def test_parse_url_password_comes_from_the_caller() -> None:
 
 def test_parse_url_rediss_sets_tls() -> None:
     ep = parse_url("rediss://edge@cache.example:6380/2")
-    assert isinstance(ep.tls, ssl.SSLContext)
-    assert ep.tls.verify_mode == ssl.CERT_REQUIRED and ep.tls.check_hostname
+    ctx = ep.ssl_context()
+    assert isinstance(ctx, ssl.SSLContext)
+    assert ctx.verify_mode == ssl.CERT_REQUIRED and ctx.check_hostname
     assert (ep.host, ep.port, ep.db, ep.username) == ("cache.example", 6380, 2, "edge")
-    assert parse_url("redis://cache.example").tls is None
+    assert parse_url("redis://cache.example").ssl_context() is None
 
 
 @pytest.mark.parametrize("url", ["http://h:6379", "tcp://h:6379", "valkey://h", "h:6379"])

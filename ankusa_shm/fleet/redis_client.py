@@ -22,7 +22,7 @@ import collections
 import ssl
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -64,29 +64,45 @@ class Endpoint:
     path: str = ""  # unix socket
     db: int = 0
     username: str = ""
-    password: str = ""
-    tls: ssl.SSLContext | None = None
+    password: str = field(default="", repr=False)
+    tls: bool = False
+    ca_file: str = ""  # for TLS; "" = the system's CA bundle
 
     @property
     def name(self) -> str:
         return f"unix:{self.path}" if self.path else f"{self.host}:{self.port}"
 
+    def ssl_context(self) -> ssl.SSLContext | None:
+        return ssl.create_default_context(cafile=self.ca_file or None) if self.tls else None
+
 
 def parse_url(url: str, password: str = "", tls_ca_file: str = "") -> Endpoint:
     """``redis://[user@]host[:port][/db]``, ``rediss://...`` (TLS), ``unix:///path[?db=N]``.
-    The password comes from the caller (environment or file), never from the URL."""
+    The password comes from the caller (environment or file), never from the URL; anything
+    this cannot use is a ValueError saying what."""
     u = urlsplit(url)
     if u.scheme not in ("redis", "rediss", "unix"):
-        raise ValueError(f"unsupported Redis URL scheme {u.scheme!r}")
+        raise ValueError(f"scheme {u.scheme!r} is not redis://, rediss:// or unix://")
+    if u.password:
+        raise ValueError("a Redis URL must not carry a password (give it from a file or env)")
+    try:
+        port = u.port or 6379
+    except ValueError:
+        raise ValueError(f"{url!r} has no valid port") from None
     username = unquote(u.username or "")
     if u.scheme == "unix":
-        db = int(parse_qs(u.query).get("db", ["0"])[0])
-        return Endpoint(path=u.path, db=db, username=username, password=password)
-    tls = None
-    if u.scheme == "rediss":
-        tls = ssl.create_default_context(cafile=tls_ca_file or None)
-    db = int(u.path.lstrip("/") or 0)
-    return Endpoint(u.hostname or "127.0.0.1", u.port or 6379, "", db, username, password, tls)
+        if not u.path:
+            raise ValueError(f"{url!r} names no socket path")
+        db = parse_qs(u.query).get("db", ["0"])[0]
+    else:
+        db = u.path.lstrip("/") or "0"
+    if not db.isdigit():
+        raise ValueError(f"database {db!r} is not a whole number")
+    if u.scheme == "unix":
+        return Endpoint(path=u.path, db=int(db), username=username, password=password)
+    tls = u.scheme == "rediss"
+    host = u.hostname or "127.0.0.1"
+    return Endpoint(host, port, "", int(db), username, password, tls, tls_ca_file)
 
 
 class _Pending:
@@ -185,6 +201,7 @@ class Client:
         self._connecting: asyncio.Future[Connection] | None = None
         self._failed_at = 0.0
         self._closed = False
+        self._ssl = endpoint.ssl_context()
 
     async def call(self, *args: Arg) -> Reply:
         """One command; an error reply raises ``ReplyError``."""
@@ -245,7 +262,7 @@ class Client:
                 lambda: Connection(self._stall_s),
                 ep.host,
                 ep.port,
-                ssl=ep.tls,
+                ssl=self._ssl,
                 server_hostname=ep.host if ep.tls else None,
             )
         hello: list[tuple[Arg, ...]] = []
@@ -296,7 +313,7 @@ class ClusterClient:
         client = self._nodes.get(addr)
         if client is None:
             s = self._seed
-            ep = Endpoint(addr[0], addr[1], "", 0, s.username, s.password, s.tls)
+            ep = Endpoint(addr[0], addr[1], "", 0, s.username, s.password, s.tls, s.ca_file)
             client = self._nodes[addr] = Client(ep, stall_s=self._stall_s)
         return client
 
