@@ -10,7 +10,7 @@ import secrets
 import posix_ipc
 import pytest
 from conftest import SMALL
-from proc_helpers import dead_pid, live_pid
+from proc_helpers import dead_pid, live_pid, run_children
 
 from ankusa_shm.shm import layout as L
 from ankusa_shm.shm import segment as segmod
@@ -19,6 +19,7 @@ from ankusa_shm.shm.segment import (
     ForeignSegment,
     LayoutMismatch,
     Segment,
+    SegmentDenied,
     SegmentError,
     SegmentInUse,
     SegmentMissing,
@@ -255,6 +256,37 @@ def test_open_for_owner_by_the_owner_itself(seg: Segment) -> None:
     _push(seg, _records(2))
     with Segment.open_for_owner(seg.name, SMALL) as s:
         assert s.queue_depth() == 2
+
+
+def _open_as_another_user(_: int, name: str) -> str:
+    """In a child that is not the segment's owner (root drops to nobody to be one)."""
+    if os.getuid() == 0:
+        os.setgid(65534)
+        os.setuid(65534)
+    results = []
+    for as_owner in (False, True):
+        try:
+            if as_owner:
+                Segment.open_for_owner(name, SMALL).close()
+            else:
+                Segment.attach(name, readonly=True).close()
+            results.append("opened")
+        except SegmentDenied:
+            results.append("denied")
+    return ",".join(results)
+
+
+def test_another_users_segment_is_denied_never_replaced(seg: Segment, seg_name: str) -> None:
+    path = f"/dev/shm/{seg_name}"
+    if os.getuid() != 0:
+        os.chmod(path, 0)  # not root: a mode that denies even the owner plays "another user"
+    try:
+        (outcome,) = run_children(1, _open_as_another_user, seg_name)
+    finally:
+        os.chmod(path, 0o600)
+    assert outcome == "denied,denied"
+    with Segment.attach(seg_name) as again:
+        assert again.header() == seg.header()  # still there, untouched
 
 
 def test_config_snapshot_round_trip(seg: Segment) -> None:

@@ -48,6 +48,10 @@ class CorruptSegment(SegmentError):
     """Claims to be ours, but its header contradicts itself or its size."""
 
 
+class SegmentDenied(SegmentError):
+    """This user may not open the segment (it belongs to another service user)."""
+
+
 class SegmentInUse(SegmentError):
     """Another live supervisor owns the segment."""
 
@@ -141,7 +145,7 @@ class Segment:
         except posix_ipc.ExistentialError:
             raise SegmentMissing(f"no segment named {path} (is ankusa-shm running?)") from None
         except posix_ipc.PermissionsError:
-            raise SegmentError(f"no permission to open segment {path}") from None
+            raise SegmentDenied(f"no permission to open segment {path}") from None
         try:
             size = os.fstat(shm.fd).st_size
             if size < L.HEADER_BYTES:
@@ -168,6 +172,8 @@ class Segment:
             seg = cls.attach(path)
         except SegmentMissing:
             return cls.create(path, params)
+        except SegmentDenied:
+            raise  # someone else's: never ours to replace
         except SegmentError as e:
             log.warning("replacing segment %s: %s; anything queued in it is lost", path, e)
             unlink(path)
