@@ -108,7 +108,8 @@ def render(s: snapshot.Snapshot, prev: snapshot.Snapshot | None = None) -> str:
         f"queue     {s.queue_depth} / {s.queue_capacity} queued  consumer {consumer}",
         f"limiter   {s.limiter_used} / {s.limiter_slots} slots used ({s.limiter_filling} filling)",
         "",
-        f"{'slot':>4}  {'pid':>7}  {'role':<10} {'state':<9} {'heartbeat':>12}  claims",
+        f"{'slot':>4}  {'pid':>7}  {'role':<10} {'state':<9} {'heartbeat':>12} "
+        f"{'requests':>10}  claims",
     ]
     for p in s.processes:
         age = "dead" if not p.alive else f"{s.taken_ms - p.heartbeat_ms} ms ago"

@@ -11,6 +11,7 @@ from proc_helpers import CTX, Children, run_children
 
 from ankusa_shm.shm import procs
 from ankusa_shm.shm import segment as segmod
+from ankusa_shm.shm.counters import Counter
 from ankusa_shm.shm.procs import NoFreeSlot, Role
 from ankusa_shm.shm.segment import Segment
 
@@ -36,6 +37,9 @@ def test_claim_publishes_pid_role_state_and_heartbeat(seg: Segment) -> None:
     assert procs.read(seg.view, seg.layout)[0].heartbeat_ms == 2500
     slot.set_state(procs.SlotState.STOPPING)
     assert procs.read(seg.view, seg.layout)[0].state == "stopping"
+    assert info.requests == 0
+    slot.counters.add(Counter.REQUESTS, 3)
+    assert procs.read(seg.view, seg.layout)[0].requests == 3  # its own row, not a total
 
 
 def test_release_frees_the_slot(seg: Segment) -> None:

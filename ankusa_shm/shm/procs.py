@@ -56,6 +56,7 @@ class ProcessInfo:
     started_ns: int
     heartbeat_ms: int
     claims: int
+    requests: int  # hooks this process has handled (its REQUESTS counter)
     alive: bool
 
 
@@ -138,6 +139,7 @@ def read(view: AtomicView, lay: L.Layout) -> list[ProcessInfo]:
                 started_ns=view.load(b + L.PS_STARTED_NS),
                 heartbeat_ms=view.load(b + L.PS_HEARTBEAT_MS),
                 claims=view.load(b + L.PS_CLAIMS),
+                requests=counters.CounterRow(view, lay, i).get(counters.Counter.REQUESTS),
                 alive=pid_alive(pid),
             )
             if view.load(b + L.PS_HEADER) == w:
