@@ -126,17 +126,17 @@ class Fleet:
         """Charge the tenant and claim the event key, in whatever scope the config says."""
         now = self._clock()
         limit = self._limits.limit_for(source.tenant)
-        claims = self._dedupe_fleet and envelope.event_key is not None
-        if not (self._rate_fleet or claims):
+        event_key = envelope.event_key if self._dedupe_fleet else None
+        if event_key is None and not self._rate_fleet:
             # Nothing for the fleet to do: both scopes node, or a keyless hook whose rate
             # limit is the host's. No store call, no breaker sample.
             return self._tally(self._take_local(source.tenant, limit, now, None))
         assert self._store is not None
         now_ms = now // 1_000_000
         claim = None
-        if envelope.event_key is not None and claims:
+        if event_key is not None:
             ttl_s = source.dedupe.ttl_seconds if source.dedupe else DEFAULT_DEDUPE_TTL_S
-            key = self._store.dedupe_key(source.tenant, source.id, envelope.event_key)
+            key = self._store.dedupe_key(source.tenant, source.id, event_key)
             claim = Claim(key, os.urandom(16), ttl_s * 1000, now_ms + self._budget_ms)
         permit = self._breaker.allow(now_ms)
         if permit.call:
