@@ -37,8 +37,6 @@ BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 2.0
 WARN_EVERY_MS = 60_000
 
-_SETTLED = {Op.PROMOTE: Counter.SETTLED_PROMOTE, Op.RELEASE: Counter.SETTLED_RELEASE}
-
 
 class Drainer:
     def __init__(
@@ -123,8 +121,9 @@ class Drainer:
                         self._queue.depth(),
                     )
                 return False
-            for r in live:
-                self._row.add(_SETTLED[r.op])
+            promotes = sum(1 for r in live if r.op is Op.PROMOTE)
+            self._row.add(Counter.SETTLED_PROMOTE, promotes)
+            self._row.add(Counter.SETTLED_RELEASE, len(live) - promotes)
         expired = len(batch.records) - len(live)
         if expired:
             self._row.add(Counter.SETTLE_EXPIRED, expired)
