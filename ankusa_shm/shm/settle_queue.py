@@ -14,7 +14,11 @@ writing, copies the record and publishes -- the last two steps by compare-and-sw
 so a producer that stalled past the grace period finds its slot taken and reports it.
 A producer killed between reserving and publishing leaves the consumer at a slot that
 never fills; after ``grace_ms`` the consumer takes the slot back itself and counts it as
-abandoned, so a dead worker cannot wedge the queue.
+abandoned, so a dead worker cannot wedge the queue. (One case stays open: a producer
+frozen -- SIGSTOP, not death -- in the middle of its copy for longer than the grace period,
+whose slot the ring then reuses a whole lap later, can resume and overwrite that newer
+record before it is read. The supervisor's heartbeat check kills a frozen worker long
+before a lap of 50 000 operations comes round.)
 
 The consumer reads a batch without freeing it (``peek``) and frees it only once its
 operations are delivered (``commit``): a consumer killed in between loses nothing, and
