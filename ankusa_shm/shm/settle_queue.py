@@ -17,8 +17,8 @@ never fills; after ``grace_ms`` the consumer takes the slot back itself and coun
 abandoned, so a dead worker cannot wedge the queue. (One case stays open: a producer
 frozen -- SIGSTOP, not death -- in the middle of its copy for longer than the grace period,
 whose slot the ring then reuses a whole lap later, can resume and overwrite that newer
-record before it is read. The supervisor's heartbeat check kills a frozen worker long
-before a lap of 50 000 operations comes round.)
+record before it is read. DESIGN.md has the supervisor kill a worker whose heartbeat goes
+stale -- not built yet -- which would end such a freeze long before a lap comes round.)
 
 The consumer reads a batch without freeing it (``peek``) and frees it only once its
 operations are delivered (``commit``): a consumer killed in between loses nothing, and
