@@ -20,7 +20,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
 from ankusa_shm.fleet.redis_client import parse_url
 from ankusa_shm.limits import Limit
@@ -341,7 +340,7 @@ def _cross_checks(cfg: Config, origin: str) -> None:
     f = cfg.fleet
     if f.password_env and f.password_file:
         raise ConfigError(f"{origin}: fleet: give at most one of password_env, password_file")
-    if f.cluster and urlsplit(f.redis_url).scheme == "unix":
+    if f.cluster and parse_url(f.redis_url).path:
         raise ConfigError(f"{origin}: fleet.cluster: a Redis Cluster is not reached over unix://")
 
 

@@ -72,17 +72,18 @@ def test_parse_url_refuses_other_schemes(url: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "url",
+    ("url", "where", "db"),
     [
-        "redis://127.0.0.1:6380/3",
-        "redis://edge@cache.internal",
-        "rediss://cache.example:6380/2",
-        "unix:///run/redis.sock?db=2",
+        ("redis://127.0.0.1:6380/3", "127.0.0.1:6380", 3),
+        ("redis://edge@cache.internal", "cache.internal:6379", 0),
+        ("rediss://cache.example:6380/2", "cache.example:6380", 2),
+        ("unix:///run/redis.sock?db=2", "unix:/run/redis.sock", 2),
     ],
 )
-def test_a_url_the_config_accepts_the_client_reads(url: str) -> None:
+def test_a_url_the_config_accepts_the_client_reads(url: str, where: str, db: int) -> None:
     cfg = config.parse({"fleet": {"redis_url": url}}, "t.toml")
-    parse_url(cfg.fleet.redis_url)
+    ep = parse_url(cfg.fleet.redis_url)
+    assert (ep.name, ep.db) == (where, db)
 
 
 @pytest.mark.parametrize(

@@ -167,10 +167,10 @@ def main(cfg: Config, slot_index: int | None = None) -> int:
             with contextlib.suppress(asyncio.CancelledError):
                 uvloop.run(serve())
         except ConsumerTaken as e:  # a second drainer: say so, without a traceback
-            slot.release()
             log.error("not draining: %s", e)
             return 2
-        slot.release()
+        finally:
+            slot.release()
         return 0
     finally:
         seg.close()

@@ -37,14 +37,13 @@ SETTLE_OPS_PER_CALL = 500  # bounds how long one script holds the server
 
 @dataclass(frozen=True)
 class Script:
-    name: str
     source: bytes
     sha: str
 
     @classmethod
     def load(cls, name: str) -> Script:
         source = resources.files(__package__).joinpath(name).read_bytes()
-        return cls(name, source, hashlib.sha1(source).hexdigest())
+        return cls(source, hashlib.sha1(source).hexdigest())
 
 
 ADMIT = Script.load("admit.lua")
@@ -54,10 +53,11 @@ SETTLE = Script.load("settle.lua")
 ADMITTED, DUPLICATE, PENDING, LIMITED = 0, 1, 2, 3
 
 
-def event_key(raw: str | bytes) -> bytes:
+def event_key(raw: bytes) -> bytes:
     """Keys longer than 200 bytes are replaced by ``sha256:<hex>`` of themselves."""
-    b = raw.encode() if isinstance(raw, str) else raw
-    return b if len(b) <= MAX_EVENT_KEY else b"sha256:" + hashlib.sha256(b).hexdigest().encode()
+    if len(raw) <= MAX_EVENT_KEY:
+        return raw
+    return b"sha256:" + hashlib.sha256(raw).hexdigest().encode()
 
 
 class RedisStore:
@@ -128,7 +128,9 @@ class RedisStore:
 
     async def reset_tenant(self, tenant: str) -> None:
         key = self.rate_key(tenant)
-        await self.client.send([(key, ("DEL", key))])
+        (reply,) = await self.client.send([(key, ("DEL", key))])
+        if isinstance(reply, ReplyError):
+            raise reply
 
     async def close(self) -> None:
         await self.client.close()

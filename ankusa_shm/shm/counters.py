@@ -76,10 +76,14 @@ class Counter(enum.Enum):
 
     @property
     def label(self) -> str:
-        """``family{k="v"}``, the name people see."""
-        if not self.labels:
-            return self.family
-        return self.family + "{" + ",".join(f'{k}="{v}"' for k, v in self.labels) + "}"
+        return label(self.family, self.labels)
+
+
+def label(family: str, labels: tuple[tuple[str, str], ...]) -> str:
+    """``family{k="v"}``, the name people see (and Prometheus's own spelling)."""
+    if not labels:
+        return family
+    return family + "{" + ",".join(f'{k}="{v}"' for k, v in labels) + "}"
 
 
 def family_help(family: str) -> str:

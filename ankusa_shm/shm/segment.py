@@ -21,6 +21,7 @@ from ankusa_shm._atomics import AtomicView
 from ankusa_shm.shm import layout as L
 from ankusa_shm.shm.counters import Counter
 from ankusa_shm.shm.pids import pid_alive
+from ankusa_shm.shm.settle_queue import SettleQueue
 
 log = logging.getLogger("ankusa_shm.segment")
 
@@ -263,8 +264,7 @@ class Segment:
         return {}
 
     def queue_depth(self) -> int:
-        base = self.layout.offset("queue")
-        return max(0, self.view.load(base + L.Q_ENQUEUE) - self.view.load(base + L.Q_DEQUEUE))
+        return SettleQueue(self.view, self.buf, self.layout).depth()
 
     def _initialise(self) -> None:
         v, lay = self.view, self.layout
@@ -279,9 +279,7 @@ class Segment:
             o_off, o_size = L.region_offsets(region)
             v.store(o_off, offset)
             v.store(o_size, size)
-        q = lay.offset("queue") + L.Q_SLOTS
-        for i in range(lay.params.queue_capacity):
-            v.store(q + i * L.QUEUE_SLOT_BYTES + L.QS_SEQ, i)
+        SettleQueue(v, self.buf, lay).format()
         self._take_ownership(now)
 
     def _take_ownership(self, birth_ns: int | None = None) -> None:

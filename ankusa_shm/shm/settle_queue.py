@@ -100,6 +100,11 @@ class SettleQueue:
         self._grace_ms = grace_ms
         self._stuck: tuple[int, int] | None = None  # (pos, first seen ms), consumer only
 
+    def format(self) -> None:
+        """Number a fresh ring's slots for the first lap (the segment's creator, once)."""
+        for i in range(self.capacity):
+            self._view.store(self._slots + i * L.QUEUE_SLOT_BYTES + L.QS_SEQ, i)
+
     # -- producers ------------------------------------------------------------------------
 
     def push(self, rec: Record) -> Pushed:

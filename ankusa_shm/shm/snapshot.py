@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ankusa_shm.clock import monotonic_ms
 from ankusa_shm.shm import breaker, counters, procs
 from ankusa_shm.shm import layout as L
 from ankusa_shm.shm.counters import Counter
@@ -63,9 +62,7 @@ class Figure:
 
     @property
     def label(self) -> str:
-        if not self.labels:
-            return self.family
-        return self.family + "{" + ",".join(f'{k}="{v}"' for k, v in self.labels) + "}"
+        return counters.label(self.family, self.labels)
 
 
 GAUGES: dict[str, str] = {
@@ -92,7 +89,8 @@ def declared() -> list[tuple[str, str, str]]:
 
 def take(seg: Segment) -> Snapshot:
     v, lay = seg.view, seg.layout
-    now = monotonic_ms()
+    now_ns = time.monotonic_ns()
+    now = now_ns // 1_000_000
     config = seg.read_config()
     fleet = config.get("fleet")
     window_ms = DEFAULT_WINDOW_MS
@@ -104,7 +102,8 @@ def take(seg: Segment) -> Snapshot:
     queue = SettleQueue(v, seg.buf, lay)
     hdr = seg.header()
     limiter = GcraTable(v, lay)
-    used, filling = limiter.usage(time.monotonic_ns() // 1000)
+    used, filling = limiter.usage(now_ns // 1000)
+    degraded = Degraded(v, lay)
     return Snapshot(
         name=seg.name,
         taken_ms=now,
@@ -112,7 +111,7 @@ def take(seg: Segment) -> Snapshot:
         owner_alive=pid_alive(hdr.owner_pid),
         config=config,
         breaker=BreakerView(state.name.lower(), owner, since, window_ms, calls, failures),
-        degraded={k: Degraded(v, lay).is_set(k) for k in L.KINDS},
+        degraded={k: degraded.is_set(k) for k in L.KINDS},
         counters=counters.totals(v, lay),
         queue_depth=queue.depth(),
         queue_capacity=queue.capacity,
