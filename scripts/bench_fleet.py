@@ -24,9 +24,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # redis_server
 
 import redis.asyncio as aioredis
 import uvloop
+from redis_server import RedisServer
 
 from ankusa_shm import config
 from ankusa_shm.fleet.admission import Admit, Claim, Fleet
@@ -36,7 +38,6 @@ from ankusa_shm.hooks import Committed, Envelope
 from ankusa_shm.shm import counters, procs
 from ankusa_shm.shm.counters import Counter
 from ankusa_shm.shm.segment import Segment, make_params, unlink
-from ankusa_shm.testing import RedisServer
 
 CONCURRENCY = 64
 figures: dict[str, float] = {}

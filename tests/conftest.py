@@ -12,10 +12,10 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from redis_server import RedisServer
 
 from ankusa_shm.shm import segment as segmod
 from ankusa_shm.shm.segment import Segment
-from ankusa_shm.testing import RedisServer
 
 SMALL = segmod.make_params(queue_capacity=1024, gcra_slots=1024, process_slots=64)
 

@@ -34,6 +34,7 @@ from fleet_helpers import (
     write_config,
 )
 from prometheus_client.parser import text_string_to_metric_families
+from redis_server import RedisServer
 
 from ankusa_shm import metrics
 from ankusa_shm.config import Config
@@ -46,7 +47,6 @@ from ankusa_shm.shm.counters import Counter
 from ankusa_shm.shm.procs import Role
 from ankusa_shm.shm.segment import Segment
 from ankusa_shm.shm.settle_queue import SettleQueue
-from ankusa_shm.testing import RedisServer
 
 
 def claim_of(answer: Admitted) -> Claim:

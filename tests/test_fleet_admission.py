@@ -36,6 +36,7 @@ from fleet_helpers import (
     total,
     totals,
 )
+from redis_server import RedisServer
 
 from ankusa_shm.config import Config
 from ankusa_shm.fleet.admission import (
@@ -54,7 +55,6 @@ from ankusa_shm.shm.counters import Counter
 from ankusa_shm.shm.procs import Role
 from ankusa_shm.shm.segment import Segment
 from ankusa_shm.shm.settle_queue import Op, Record
-from ankusa_shm.testing import RedisServer
 
 STORE_CALLS = (Counter.STORE_OK, Counter.STORE_ERROR, Counter.STORE_TIMEOUT)
 SCRIPT_INNER = frozenset({"get", "set", "pttl", "time", "del"})  # counted inside scripts

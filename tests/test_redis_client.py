@@ -8,6 +8,7 @@ import ssl
 
 import pytest
 from fleet_helpers import run, stopped
+from redis_server import RedisServer
 
 from ankusa_shm import config
 from ankusa_shm.fleet.redis_client import (
@@ -19,7 +20,6 @@ from ankusa_shm.fleet.redis_client import (
     parse_url,
 )
 from ankusa_shm.fleet.redis_store import RedisStore
-from ankusa_shm.testing import RedisServer
 
 
 def test_pack_encodes_resp() -> None:

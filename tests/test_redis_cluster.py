@@ -27,6 +27,7 @@ from fleet_helpers import (
     totals,
 )
 from redis.crc import key_slot
+from redis_server import RedisServer, free_port
 
 from ankusa_shm.config import Config
 from ankusa_shm.fleet.admission import Admit, Admitted, Claim, DedupePending, Duplicate, RateLimited
@@ -34,7 +35,6 @@ from ankusa_shm.fleet.redis_client import ClusterClient
 from ankusa_shm.fleet.redis_store import RedisStore
 from ankusa_shm.hooks import Committed, NotStored
 from ankusa_shm.shm.counters import Counter
-from ankusa_shm.testing import RedisServer, free_port
 
 Addr = tuple[str, int]
 

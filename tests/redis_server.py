@@ -1,5 +1,6 @@
 """A private redis-server for the tests and benchmarks: a free loopback port, its own
-directory, stopped by its PID. Never the machine's shared Redis on 6379."""
+directory, stopped by its PID. Never the machine's shared Redis on 6379. It lives beside
+the tests, not in the installed package: a service host has no use for it."""
 
 from __future__ import annotations
 
