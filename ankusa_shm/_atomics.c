@@ -8,11 +8,12 @@
  * store, fetch-add and compare-and-swap on aligned signed 64-bit words at a
  * byte offset. Everything else is Python.
  *
- * One hot routine lives here too, because bench_shm.py showed it pays: the node rate
+ * Two hot routines live here too, because benchmarks showed they pay: the node rate
  * limiter's GCRA take (slot lookup + compare-and-swap of the TAT word), which costs several
- * hundred nanoseconds as Python and well under one hundred here. Its slot format is
- * layout.py's; GCRA_FORMAT exports the constants below so gcra.py can refuse to run
- * against a layout that disagrees.
+ * hundred nanoseconds as Python and well under one hundred here (bench_shm.py); and the
+ * breaker's window sum, read on every failed store call (bench_fleet.py's stall). Their
+ * formats are layout.py's; GCRA_FORMAT and BREAKER_FORMAT export the constants below so
+ * gcra.py and breaker.py can refuse to run against a layout that disagrees.
  *
  * Offsets are checked on every call: a misaligned or out-of-range offset
  * raises ValueError/IndexError, never touches memory. A view of a read-only
@@ -234,6 +235,50 @@ av_gcra_take(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
     }
 }
 
+/* -- breaker window (see shm/layout.py and shm/breaker.py) ------------------------------ */
+
+#define B_VALID (INT64_C(1) << 62)
+#define B_EPOCH_SHIFT 32
+#define B_EPOCH_MASK ((INT64_C(1) << 30) - 1)
+#define B_FAIL_SHIFT 16
+#define B_COUNT_MASK INT64_C(0xFFFF)
+
+/* (calls, failures) over the n bucket words at `buckets` whose epoch lies within n of
+ * `epoch` -- or ahead of it: a bucket a process with a later clock reading started. In
+ * Python this sum cost ~14 us, paid by every failed store call (bench_fleet's stall). */
+static PyObject *
+av_breaker_window(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    int64_t a[3];
+    if (!nargs_ok("breaker_window", nargs, 3))
+        return NULL;
+    for (int i = 0; i < 3; i++)
+        if (int64_arg(args[i], &a[i]) < 0)
+            return NULL;
+    int64_t base = a[0], n = a[1], epoch = a[2] & B_EPOCH_MASK;
+    if (!self->held) {
+        PyErr_SetString(PyExc_ValueError, "AtomicView is released");
+        return NULL;
+    }
+    if (base < 0 || base % 8 || n < 1 || n > (self->view.len - base) / 8) {
+        PyErr_SetString(PyExc_ValueError, "breaker_window: buckets outside the buffer");
+        return NULL;
+    }
+    const int64_t *w = (const int64_t *)((char *)self->view.buf + base);
+    int64_t calls = 0, failures = 0, half = (B_EPOCH_MASK + 1) >> 1;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t b = __atomic_load_n(&w[i], __ATOMIC_SEQ_CST);
+        if (!(b & B_VALID))
+            continue;
+        int64_t age = (epoch - (b >> B_EPOCH_SHIFT)) & B_EPOCH_MASK;
+        if (age < n || age >= half) {
+            calls += b & B_COUNT_MASK;
+            failures += (b >> B_FAIL_SHIFT) & B_COUNT_MASK;
+        }
+    }
+    return Py_BuildValue("(LL)", (long long)calls, (long long)failures);
+}
+
 static PyObject *
 av_release(AtomicView *self, PyObject *Py_UNUSED(ignored))
 {
@@ -299,6 +344,8 @@ static PyMethodDef av_methods[] = {
     {"gcra_take", (PyCFunction)(void (*)(void))av_gcra_take, METH_FASTCALL,
      "gcra_take(table, nslots, probe, key, tag, interval_us, span_us, now_us) -> int:\n"
      "0 admitted, >0 microseconds over the limit (nothing written), -1 no slot."},
+    {"breaker_window", (PyCFunction)(void (*)(void))av_breaker_window, METH_FASTCALL,
+     "breaker_window(buckets, n, epoch) -> (calls, failures) of the buckets in the window."},
     {"release", (PyCFunction)av_release, METH_NOARGS,
      "release(): drop the buffer export so the mapping can be closed."},
     {NULL, NULL, 0, NULL},
@@ -340,6 +387,14 @@ PyInit__atomics(void)
                                   (long long)G_MAX_SPAN);
     if (fmt == NULL || PyModule_AddObject(m, "GCRA_FORMAT", fmt) < 0) {
         Py_XDECREF(fmt);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyObject *bfmt = Py_BuildValue("(LiLiL)", (long long)B_VALID, B_EPOCH_SHIFT,
+                                   (long long)B_EPOCH_MASK, B_FAIL_SHIFT,
+                                   (long long)B_COUNT_MASK);
+    if (bfmt == NULL || PyModule_AddObject(m, "BREAKER_FORMAT", bfmt) < 0) {
+        Py_XDECREF(bfmt);
         Py_DECREF(m);
         return NULL;
     }

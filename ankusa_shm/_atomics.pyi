@@ -1,6 +1,7 @@
 from typing_extensions import Buffer
 
 GCRA_FORMAT: tuple[int, int, int, int, int, int, int]
+BREAKER_FORMAT: tuple[int, int, int, int, int]
 
 class AtomicView:
     """Sequentially consistent 64-bit atomics on aligned words of a buffer."""
@@ -22,6 +23,7 @@ class AtomicView:
         now_us: int,
         /,
     ) -> int: ...
+    def breaker_window(self, buckets: int, n: int, epoch: int, /) -> tuple[int, int]: ...
     def release(self) -> None: ...
     @property
     def size(self) -> int: ...

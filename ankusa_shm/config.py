@@ -23,11 +23,13 @@ from typing import Any, Literal
 
 from ankusa_shm.fleet.redis_client import parse_url
 from ankusa_shm.limits import Limit
+from ankusa_shm.shm.layout import MAX_NAME
 
 Scope = Literal["node", "fleet"]
 Check = Callable[[Any], str | None]  # returns what is wrong, or None
 
-_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# ASCII, so characters are bytes; \Z, not $, which would let a trailing newline through.
+_NAME = re.compile(rf"^[A-Za-z0-9_.-]{{1,{MAX_NAME}}}\Z")
 
 
 class ConfigError(Exception):
@@ -57,7 +59,7 @@ def between(lo: float, hi: float) -> Check:
 
 
 def _name(v: str) -> str | None:
-    return None if _NAME.match(v) else "must be 1-64 characters of A-Z a-z 0-9 _ . -"
+    return None if _NAME.match(v) else f"must be 1-{MAX_NAME} characters of A-Z a-z 0-9 _ . -"
 
 
 def _address(v: str) -> str | None:
@@ -154,6 +156,38 @@ class Fleet:
     drain_on_stop_ms: int = setting(
         5_000, "On SIGTERM, how long the drainer keeps delivering.", between(0, 600_000)
     )
+
+    # Derived pauses: every time limit the fleet code uses that is not a setting is
+    # computed here, from the settings it follows, and nowhere else.
+
+    @property
+    def probe_timeout_ms(self) -> int:
+        """A breaker probe still unfinished after this is taken over by the next caller.
+        Its call is bounded by the budget; twice that plus 100 ms leaves room for a busy
+        event loop without letting a lost probe hold the breaker for long."""
+        return 2 * self.timeout_ms + 100
+
+    @property
+    def admit_stall_s(self) -> float:
+        """A request worker's connection whose oldest request has waited this long is
+        closed and replaced. Every caller gave up after one budget; fifty budgets (at least
+        1 s) is long past any caller's interest, yet short enough that a hung server does
+        not pile up work on one socket."""
+        return max(1.0, 50 * self.timeout_ms / 1000)
+
+    @property
+    def reconnect_pause_s(self) -> float:
+        """After a failed connect, calls fail at once for this long instead of trying
+        again: five budgets, at most 100 ms. Short, because it is the breaker, not this
+        pause, that keeps calls off a dead server; this only spares a burst of callers
+        one refused connect each."""
+        return min(0.1, 5 * self.timeout_ms / 1000)
+
+    @property
+    def drainer_stall_s(self) -> float:
+        """The drainer's connection is replaced when a round trip has waited twice its
+        budget: the batch was already given up on (and kept) after one."""
+        return 2 * self.settle_timeout_ms / 1000
 
 
 @dataclass(frozen=True)

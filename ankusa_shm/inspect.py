@@ -34,6 +34,9 @@ def run(name: str, as_json: bool, watch: float | None, out: TextIO = sys.stdout)
                 out.write(to_json(snap) + "\n" if as_json else render(snap))
                 return 0
             return _watch(seg, as_json, watch, out)
+        except SegmentError as e:
+            print(f"ankusa-shm inspect: {e}", file=sys.stderr)
+            return EXIT_UNUSABLE
         except ValueError as e:
             # A whole header over words no writer writes (a breaker or slot state that
             # names no state): corrupt too, and said so in one line like the others.
@@ -113,7 +116,10 @@ def render(s: snapshot.Snapshot, prev: snapshot.Snapshot | None = None) -> str:
     ]
     for p in s.processes:
         age = "dead" if not p.alive else f"{s.taken_ms - p.heartbeat_ms} ms ago"
-        lines.append(f"{p.slot:>4}  {p.pid:>7}  {p.role:<10} {p.state:<9} {age:>12}  {p.claims}")
+        lines.append(
+            f"{p.slot:>4}  {p.pid:>7}  {p.role:<10} {p.state:<9} {age:>12} "
+            f"{p.requests:>10}  {p.claims}"
+        )
     lines += ["", f"{'figure':<52} {'value':>14}" + ("  per second" if prev else "")]
     dt = (s.taken_ms - prev.taken_ms) / 1000 if prev else 0.0
     before = {f.label: f.value for f in snapshot.figures(prev)} if prev else {}

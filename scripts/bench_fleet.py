@@ -7,7 +7,10 @@ Prints, each beside a baseline measured in the same run:
   * Redis round trips per admitted hook (the server's own command count);
   * settle operations per drain round trip while workers admit and settle under load;
   * drainer operations/s next to a plain redis-py pipeline of per-operation commands.
-The last line is one JSON object of every figure.
+  * admit latency while redis-server is SIGSTOPped (the budget must hold), the breaker's
+    time to open and to close again, and what a flushed script cache costs.
+The last line is one JSON object of every figure. Name parts to run only those:
+  .venv/bin/python scripts/bench_fleet.py [admission|load|drainer|stall|cold-cache ...]
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import os
 import shlex
 import sys
 import time
+from array import array
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -30,7 +34,7 @@ import redis.asyncio as aioredis
 import uvloop
 from redis_server import RedisServer
 
-from ankusa_shm import config
+from ankusa_shm import child, config
 from ankusa_shm.fleet.admission import Admit, Claim, Fleet
 from ankusa_shm.fleet.drainer import Drainer
 from ankusa_shm.fleet.redis_store import ADMIT, RedisStore
@@ -49,7 +53,7 @@ def figure(name: str, value: float, unit: str, target: str = "") -> None:
 
 
 def make_config(
-    seg: str, url: str, scope: str, queue: int = 50_000, batch: int = 1000
+    seg: str, url: str, scope: str, queue: int = 50_000, batch: int = 1000, **fleet: Any
 ) -> config.Config:
     return config.parse(
         {
@@ -61,6 +65,7 @@ def make_config(
                 "timeout_ms": 1000,
                 "settle_queue_size": queue,
                 "settle_batch_max": batch,
+                **fleet,
             },
             "sources": [{"id": "gh", "tenant": "acme", "dedupe": {"header": "x-id"}}],
         },
@@ -267,13 +272,169 @@ def bench_drainer(server: RedisServer, n: int) -> None:
         unlink(name)
 
 
+def _stall_worker(name: str, url: str, fleet_kw: dict[str, Any], seconds: float, out: Any) -> None:
+    """Admit from CONCURRENCY lanes for ``seconds``, as a request worker would (its start-up
+    included); report every admit's start and latency, and what was refused."""
+    cfg = make_config(name, url, "fleet", **fleet_kw)
+    seg = Segment.attach(name)
+    slot = procs.claim(seg.view, seg.layout, procs.Role.WORKER)
+    child.settle_heap()
+    starts, lat = array("d"), array("d")
+    refused = 0
+
+    async def run() -> None:
+        nonlocal refused
+        fleet = Fleet(cfg, seg, slot, RedisStore.from_config(cfg.fleet))
+        src = cfg.sources[0]
+        await fleet.admit(src, Envelope(b"warm"))
+        deadline = time.monotonic() + seconds
+        tag = os.urandom(4).hex().encode()
+
+        async def lane(i: int) -> None:
+            nonlocal refused
+            while (t := time.monotonic()) < deadline:
+                answer = await fleet.admit(src, Envelope(b"stall-%s-%d" % (tag, i)))
+                starts.append(t)
+                lat.append(time.monotonic() - t)
+                if not isinstance(answer, Admit):
+                    refused += 1
+                i += CONCURRENCY
+                await asyncio.sleep(0)  # a worker reads its socket between hooks
+
+        await asyncio.gather(*(lane(k) for k in range(CONCURRENCY)))
+        await fleet.close()
+
+    uvloop.run(run())
+    out.put((starts.tobytes(), lat.tobytes(), refused))
+    seg.close()
+
+
+def _stall_run(
+    server: RedisServer, fleet_kw: dict[str, Any], stall_s: float, flushes: int = 0
+) -> dict[str, Any]:
+    """Two worker processes admit for 1 s, through a SIGSTOP of ``stall_s`` (or, with
+    ``flushes``, that many SCRIPT FLUSHes spread over the same time), and 2 s after;
+    the breaker's transitions are watched from here."""
+    name = f"bench-stall-{os.getpid()}"
+    seg = new_segment(name, 1024)
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    seconds = 1.0 + stall_s + 2.0
+    try:
+        workers = [
+            ctx.Process(target=_stall_worker, args=(name, server.url, fleet_kw, seconds, out))
+            for _ in range(2)
+        ]
+        for w in workers:
+            w.start()
+        time.sleep(1.0)
+        word = seg.layout.offset("breaker")
+        seen: list[tuple[float, int]] = []
+
+        def watch(until: float) -> None:
+            while time.monotonic() < until:
+                state = seg.view.load(word) >> 61
+                if not seen or seen[-1][1] != state:
+                    seen.append((time.monotonic(), state))
+                time.sleep(0.002)
+
+        t_stop = time.monotonic()
+        if flushes:
+            with server.client() as r:
+                for _ in range(flushes):
+                    r.script_flush()
+                    watch(time.monotonic() + stall_s / flushes)
+        else:
+            server.stop_signal()
+            watch(t_stop + stall_s)
+        t_cont = time.monotonic()
+        if not flushes:
+            server.cont_signal()
+        watch(t_cont + 1.5)
+        results = [out.get(timeout=seconds + 60) for _ in workers]
+        for w in workers:
+            w.join(60)
+        during: list[float] = []
+        refused = 0
+        for starts_b, lat_b, ref in results:
+            starts, lat = array("d"), array("d")
+            starts.frombytes(starts_b)
+            lat.frombytes(lat_b)
+            during += [x * 1000 for t, x in zip(starts, lat, strict=True) if t_stop <= t < t_cont]
+            refused += ref
+        during.sort()
+        print("SEEN", [(round(t - t_stop, 2), st) for t, st in seen])
+        opened = next((t for t, st in seen if st == 1 and t >= t_stop), None)
+        closed = next((t for t, st in seen if st == 0 and t >= t_cont), None)
+        totals = counters.totals(seg.view, seg.layout)
+        return {
+            "during": during,
+            "refused": refused,
+            "open_ms": (opened - t_stop) * 1000 if opened else None,
+            "close_ms": (closed - t_cont) * 1000 if closed and opened else None,
+            "opens": totals[Counter.BREAKER_TO_OPEN],
+            "errors": totals[Counter.STORE_ERROR] + totals[Counter.STORE_TIMEOUT],
+        }
+    finally:
+        seg.close()
+        unlink(name)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def bench_stall(server: RedisServer, stall_s: float) -> None:
+    budget = 20
+    print(f"\nredis-server SIGSTOPped for {stall_s:g} s under 2 processes x {CONCURRENCY} admits")
+    print(f"  (a) breaker held closed: every admit pays the {budget} ms budget")
+    r = _stall_run(server, {"timeout_ms": budget, "breaker_min_calls": 10**9}, stall_s)
+    d = r["during"]
+    figure("stall admits measured", len(d), "")
+    figure("stall admit p50", _pct(d, 0.5), "ms")
+    figure("stall admit p99", _pct(d, 0.99), "ms", f"<= {budget + 2} ms")
+    figure("stall admit max", d[-1] if d else float("nan"), "ms", f"<= {budget + 5} ms")
+    figure("stall admits over budget + 2 ms", sum(x > budget + 2 for x in d), "")
+    figure("stall refusals", r["refused"], "", "= 0")
+    print("  (b) breaker over a 1 s window, open for 1 s, then probe")
+    fleet_kw = {"timeout_ms": budget, "breaker_window_ms": 1000, "breaker_open_ms": 1000}
+    r = _stall_run(server, fleet_kw, stall_s)
+    figure("stall breaker time to open", r["open_ms"] or float("nan"), "ms")
+    figure("stall breaker time to close after SIGCONT", r["close_ms"] or float("nan"), "ms")
+    figure("stall breaker refusals", r["refused"], "", "= 0")
+    figure("stall breaker admit p99", _pct(r["during"], 0.99), "ms")
+
+
+def bench_cold_cache(server: RedisServer, flushes: int) -> None:
+    print(f"\ncold script cache: {flushes} SCRIPT FLUSHes under 2 processes x {CONCURRENCY} admits")
+    with server.client() as c:
+        c.config_resetstat()
+    r = _stall_run(server, {"timeout_ms": 20}, 3.0, flushes=flushes)
+    stats = server.commandstats()
+    figure("cold cache breaker opens", r["opens"], "", "= 0")
+    figure("cold cache failed store calls", r["errors"], "")
+    figure("cold cache full-source EVALs", stats.get("eval", 0), "", "= 0")
+    figure("cold cache SCRIPT LOADs", stats.get("script|load", 0), "")
+    figure("cold cache refusals", r["refused"], "", "= 0")
+
+
 def main() -> None:
     print("command: " + " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
+    parts: dict[str, Callable[[RedisServer], None]] = {
+        "admission": lambda s: bench_admission(s, 40_000),
+        "load": lambda s: bench_settle_under_load(s, 3.0),
+        "drainer": lambda s: bench_drainer(s, 200_000),
+        "stall": lambda s: bench_stall(s, 3.0),
+        "cold-cache": lambda s: bench_cold_cache(s, 6),
+    }
+    only = sys.argv[1:] or list(parts)
+    unknown = [p for p in only if p not in parts]
+    if unknown:
+        sys.exit(f"bench_fleet: unknown part {unknown[0]!r}; parts: {', '.join(parts)}")
     server = RedisServer()
     try:
-        bench_admission(server, 40_000)
-        bench_settle_under_load(server, 3.0)
-        bench_drainer(server, 200_000)
+        for part in only:
+            parts[part](server)
     finally:
         server.close()
     print(json.dumps(figures, sort_keys=True))

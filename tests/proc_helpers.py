@@ -9,6 +9,7 @@ child that raised sends its traceback, and the test fails with it.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import queue
 import time
 import traceback
@@ -143,3 +144,86 @@ def live_pid() -> Iterator[int]:
     finally:
         p.kill()
         p.join(10)
+
+
+NS_LAST_PID = "/proc/sys/kernel/ns_last_pid"
+
+
+def _start_with_pid(
+    pid: int, target: Callable[..., object], args: tuple[object, ...]
+) -> BaseProcess:
+    """Fork a child that runs ``target(*args)`` and gets exactly ``pid``, which must be free.
+
+    As root, ns_last_pid names the pid the next fork goes after; another process forking
+    at the same moment can take it first, so try again. Where it cannot be written, fork
+    and reap short-lived children until the pid counter comes round.
+    """
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            with open(NS_LAST_PID, "w") as f:
+                f.write(str(pid - 1))
+        except OSError:
+            _cycle_pids_to(pid - 1, deadline)
+        p = CTX.Process(target=target, args=args, daemon=True)
+        p.start()
+        if p.pid == pid:
+            return p
+        p.kill()
+        p.join(10)
+    raise AssertionError(f"pid {pid} never came round")
+
+
+def _cycle_pids_to(last: int, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        child = os.fork()
+        if child == 0:
+            os._exit(0)
+        os.waitpid(child, 0)
+        if child == last:
+            return
+
+
+@contextmanager
+def reused_pid(pid: int) -> Iterator[BaseProcess]:
+    """A new, live process that has been given ``pid`` -- real pid reuse -- until the block
+    ends. ``pid`` must be free: its last process has exited and been reaped."""
+    # Start times are clock ticks (10 ms here): a pid given out again within the same tick
+    # would look like the same process. Only ns_last_pid can reuse a pid that fast; the
+    # kernel's own counter takes a whole lap of pid_max to come round.
+    time.sleep(3 / os.sysconf("SC_CLK_TCK"))
+    p = _start_with_pid(pid, _sleep_forever, ())
+    try:
+        yield p
+    finally:
+        p.kill()
+        p.join(10)
+
+
+@contextmanager
+def zombie(work: Callable[[], object] | None = None) -> Iterator[int]:
+    """The pid of a child that ran ``work`` and exited and is not yet reaped (a zombie),
+    until the block ends; then it is reaped, and ``work`` must have succeeded."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            if work is not None:
+                work()
+            code = 0
+        finally:
+            os._exit(code)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while _state_of(pid) != "Z":
+            assert time.monotonic() < deadline, f"child {pid} never became a zombie"
+            time.sleep(0.005)
+        yield pid
+    finally:
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, f"the zombie's work failed: {status}"
+
+
+def _state_of(pid: int) -> str:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rpartition(b")")[2].split()[0].decode()

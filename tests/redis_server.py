@@ -11,6 +11,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis
@@ -22,19 +23,32 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class RedisServer:
-    """A redis-server process; signals go to its PID and nothing else."""
+@dataclass(frozen=True)
+class Tls:
+    """The files a TLS-only server is started with; ``ca`` signed ``cert``."""
 
-    def __init__(self, port: int | None = None, *extra: str) -> None:
+    cert: Path
+    key: Path
+    ca: Path
+
+
+class RedisServer:
+    """A redis-server process; signals go to its PID and nothing else. With ``tls`` it
+    listens only for TLS on ``port`` (plain port 0) and does not ask clients for
+    certificates."""
+
+    def __init__(self, port: int | None = None, *extra: str, tls: Tls | None = None) -> None:
         self.port = port or free_port()
         self.extra = extra
+        self.tls = tls
         self.dir = tempfile.mkdtemp(prefix="ankusa-redis-")
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        scheme = "rediss" if self.tls else "redis"
+        return f"{scheme}://127.0.0.1:{self.port}/0"
 
     @property
     def pid(self) -> int:
@@ -43,10 +57,20 @@ class RedisServer:
 
     def start(self) -> None:
         """Start (or start again, empty) on the same port."""
+        listen = ["--port", str(self.port)]
+        if self.tls is not None:
+            listen = [
+                "--port", "0",
+                "--tls-port", str(self.port),
+                "--tls-cert-file", str(self.tls.cert),
+                "--tls-key-file", str(self.tls.key),
+                "--tls-ca-cert-file", str(self.tls.ca),
+                "--tls-auth-clients", "no",
+            ]  # fmt: skip
         self.proc = subprocess.Popen(
             [
                 "redis-server",
-                "--port", str(self.port),
+                *listen,
                 "--bind", "127.0.0.1",
                 "--save", "",
                 "--appendonly", "no",
@@ -60,7 +84,7 @@ class RedisServer:
         deadline = time.monotonic() + 10
         while True:
             try:
-                with redis.Redis(port=self.port, socket_timeout=0.5) as r:
+                with self.client(socket_timeout=0.5) as r:
                     r.ping()
                 return
             except redis.ConnectionError:
@@ -68,8 +92,12 @@ class RedisServer:
                     raise RuntimeError(f"redis-server on port {self.port} did not start") from None
                 time.sleep(0.02)
 
-    def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, socket_timeout=5)
+    def client(self, socket_timeout: float = 5) -> redis.Redis:
+        if self.tls is None:
+            return redis.Redis(port=self.port, socket_timeout=socket_timeout)
+        return redis.Redis(
+            port=self.port, socket_timeout=socket_timeout, ssl=True, ssl_ca_certs=str(self.tls.ca)
+        )
 
     def commandstats(self) -> dict[str, int]:
         """Calls per command since start (or CONFIG RESETSTAT), as the server counted them."""

@@ -10,6 +10,7 @@ import pytest
 from proc_helpers import CTX, run_children
 
 from ankusa_shm._atomics import AtomicView
+from ankusa_shm.shm import layout as L
 from ankusa_shm.shm.segment import Segment
 
 N_PROCS = 4
@@ -95,6 +96,31 @@ def test_bad_arguments(page: mmap.mmap) -> None:
     with pytest.raises(IndexError):
         v.load(2**70)  # an offset beyond any buffer is out of range, whatever its size
     v.release()
+
+
+def test_breaker_window_sums_only_what_lies_in_the_window(page: mmap.mmap) -> None:
+    """The C sum over bucket words (breaker.py's format): valid buckets less than n epochs
+    old, or ahead of the reader's epoch, count; stale and empty ones do not."""
+    v = AtomicView(page)
+
+    def bucket(epoch: int, failures: int, calls: int) -> int:
+        return L.BK_VALID | epoch << L.BK_EPOCH_SHIFT | failures << L.BK_FAIL_SHIFT | calls
+
+    v.store(64, bucket(100, 1, 5))  # now
+    v.store(72, bucket(97, 2, 3))  # 3 epochs old: in a 4-bucket window
+    v.store(80, bucket(96, 7, 7))  # 4 old: out
+    v.store(88, bucket(101, 1, 1))  # ahead of the reader's clock: in
+    assert v.breaker_window(64, 4, 100) == (9, 4)
+    v.store(88, 0)  # empty
+    assert v.breaker_window(64, 4, 100) == (8, 3)
+    assert v.breaker_window(64, 4, 100 + (L.BK_EPOCH_MASK + 1)) == (8, 3)  # epochs wrap
+    with pytest.raises(ValueError):
+        v.breaker_window(64, 2**40, 0)  # buckets beyond the buffer
+    with pytest.raises(ValueError):
+        v.breaker_window(60, 1, 0)  # misaligned
+    v.release()
+    with pytest.raises(ValueError):
+        v.breaker_window(64, 4, 0)
 
 
 def test_read_only_buffer_refuses_writes() -> None:

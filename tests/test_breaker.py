@@ -6,11 +6,14 @@ Time is injected (``now_ms``); nothing here waits on a real clock.
 from __future__ import annotations
 
 import os
+import random
+import time
 from multiprocessing.synchronize import Barrier
 
 import pytest
-from proc_helpers import CTX, dead_pid, live_pid, run_children
+from proc_helpers import CTX, dead_pid, live_pid, run_children, zombie
 
+from ankusa_shm.clock import monotonic_ms
 from ankusa_shm.shm import breaker, counters, procs
 from ankusa_shm.shm import layout as L
 from ankusa_shm.shm.breaker import Breaker, Policy, State
@@ -260,19 +263,22 @@ def test_transitions_counted_once_per_transition(seg: Segment) -> None:
     assert Breaker(seg.view, seg.layout, POLICY).allow(t).call  # without a row: no counts
 
 
-def _probe_race(i: int, name: str, now: int, start: Barrier) -> bool:
+def _probe_race(i: int, name: str, now: int, start: Barrier, done: Barrier) -> bool:
     with Segment.attach(name) as s:
         slot = procs.claim(s.view, s.layout, procs.Role.WORKER)
         b = Breaker(s.view, s.layout, POLICY, slot.counters)
         start.wait(60)
-        return b.allow(now).probe
+        probe = b.allow(now).probe
+        done.wait(60)  # the winner stays alive until all have asked: a dead one is taken over
+        return probe
 
 
 def test_racing_processes_get_exactly_one_probe(seg: Segment) -> None:
     b, _ = _breaker(seg)
     _open(b, T0)
     now = T0 + POLICY.open_ms
-    probes = run_children(RACERS, _probe_race, seg.name, now, CTX.Barrier(RACERS))
+    barriers = CTX.Barrier(RACERS), CTX.Barrier(RACERS)
+    probes = run_children(RACERS, _probe_race, seg.name, now, *barriers)
     assert sorted(probes) == [False] * (RACERS - 1) + [True]
     assert _transitions(seg) == (1, 1, 0)
 
@@ -295,3 +301,132 @@ def test_racing_failures_open_it_exactly_once(seg: Segment) -> None:
     assert states == [State.OPEN] * RACERS
     assert _transitions(seg) == (1, 0, 0)
     assert b.window(T0) == (POLICY.min_calls - 1 + 20 * RACERS,) * 2
+
+
+def test_a_clock_reading_older_than_the_state_word_is_no_time_elapsed(seg: Segment) -> None:
+    """A caller that read the clock just before another process swapped the word sees a
+    ``since`` ahead of its ``now``: that is no time at all, not a wrapped eternity."""
+    b, _ = _breaker(seg)
+    _open(b, T0)
+    for behind in (1, 50, POLICY.open_ms):
+        assert b.allow(T0 - behind) == breaker.DENY  # no early probe
+    with live_pid() as pid:
+        seg.view.store(_state_word_offset(seg), breaker.pack(State.PROBING, pid, T0))
+        for behind in (1, 50, POLICY.probe_timeout_ms):
+            assert b.allow(T0 - behind) == breaker.DENY  # a live probe is not taken over
+        assert b.allow(T0 + POLICY.probe_timeout_ms).probe  # but an overrun one is
+
+
+def test_a_zombie_probe_is_taken_over(seg: Segment) -> None:
+    b, _ = _breaker(seg)
+    _open(b, T0)
+    t = T0 + POLICY.open_ms
+
+    def take_probe_and_exit() -> None:
+        with Segment.attach(seg.name) as s:
+            assert Breaker(s.view, s.layout, POLICY).allow(t).probe
+
+    with zombie(take_probe_and_exit) as pid:
+        assert breaker.unpack(b.word())[:2] == (State.PROBING, pid)
+        permit = b.allow(t + 1)  # well within probe_timeout_ms: only the death lets it in
+        assert permit.probe
+        assert breaker.unpack(b.word())[1] == os.getpid()
+
+
+def test_successes_that_bring_enough_failures_to_min_calls_open_it(seg: Segment) -> None:
+    policy = Policy(0.5, min_calls=20, window_ms=10_000, open_ms=5_000, probe_timeout_ms=1_000)
+    b = Breaker(seg.view, seg.layout, policy)
+    for i in range(10):
+        b.record(False, T0 + i)
+    for i in range(9):
+        b.record(True, T0 + 10 + i)
+    assert b.state() == State.CLOSED  # 19 calls: below min_calls
+    b.record(True, T0 + 20)  # 20 calls, 10 failed: exactly the rate
+    assert b.state() == State.OPEN
+    assert breaker.unpack(b.word()) == (State.OPEN, 0, T0 + 20)
+
+
+def test_successes_do_not_open_it_below_the_rate(seg: Segment) -> None:
+    policy = Policy(0.5, min_calls=20, window_ms=10_000, open_ms=5_000, probe_timeout_ms=1_000)
+    b = Breaker(seg.view, seg.layout, policy)
+    for i in range(9):
+        b.record(False, T0 + i)
+    for i in range(40):
+        b.record(True, T0 + 10 + i)
+    assert b.window(T0 + 50) == (49, 9)
+    assert b.state() == State.CLOSED
+    # Once min_calls was reached without opening, further successes only dilute.
+    for _ in range(10):
+        b.record(False, T0 + 60)
+    assert b.window(T0 + 60) == (59, 19)
+    assert b.state() == State.CLOSED
+
+
+def test_a_bucket_newer_than_now_is_in_the_window(seg: Segment) -> None:
+    """Another process with a later clock reading has started the next bucket: a caller
+    whose reading is a bucket behind still counts it."""
+    b, _ = _breaker(seg)
+    for _ in range(POLICY.min_calls - 1):
+        b.record(False, T0 + BUCKET_MS)
+    assert b.window(T0) == (POLICY.min_calls - 1,) * 2
+    b.record(False, T0)
+    assert b.state() == State.OPEN
+
+
+RACE = Policy(0.5, min_calls=10, window_ms=10_000, open_ms=4, probe_timeout_ms=600_000)
+RACE_PERIODS = 300
+GRANT, REOPEN = 0, 1  # sort order within one millisecond: a probe's reopen follows it
+
+
+def _probe_loop(i: int, name: str, n: int, start: Barrier) -> list[tuple[int, int]]:
+    """Ask for the probe as fast as possible; fail every probe at once (a new open
+    period). Sometimes yield between reading the clock and asking, as a preempted worker
+    does. Returns (ms, GRANT | REOPEN) events."""
+    rng = random.Random(i)
+    events: list[tuple[int, int]] = []
+    with Segment.attach(name) as s:
+        slot = procs.claim(s.view, s.layout, procs.Role.WORKER)
+        b = Breaker(s.view, s.layout, RACE, slot.counters)
+        start.wait(60)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            now = monotonic_ms()
+            if rng.random() < 0.5:
+                os.sched_yield()
+            permit = b.allow(now)
+            if not permit.probe:
+                continue
+            events.append((now, GRANT))
+            done = monotonic_ms()
+            if b.finish_probe(permit, False, done):
+                events.append((done, REOPEN))
+            if counters.totals(s.view, s.layout)[Counter.BREAKER_TO_PROBING] >= n:
+                break
+    return events
+
+
+def test_racing_processes_get_one_probe_per_open_period_never_early(seg: Segment) -> None:
+    b = Breaker(seg.view, seg.layout, RACE)
+    t0 = monotonic_ms()
+    for _ in range(RACE.min_calls):
+        b.record(False, t0)
+    assert b.state() == State.OPEN
+    n = 4
+    got = run_children(n, _probe_loop, seg.name, RACE_PERIODS, CTX.Barrier(n))
+    events = sorted([(t0, REOPEN)] + [e for child in got for e in child])
+    # Open periods, each from a reopen to the next: exactly one probe each, and not
+    # before open_ms has passed.
+    probes_per_period: list[int] = []
+    early = 0
+    opened = t0
+    for t, kind in events:
+        if kind == REOPEN:
+            probes_per_period.append(0)
+            opened = t
+        else:
+            probes_per_period[-1] += 1
+            early += t - opened < RACE.open_ms
+    assert len(probes_per_period) >= RACE_PERIODS // 2
+    extra = [p for p in probes_per_period[:-1] if p != 1]
+    assert (extra, early) == ([], 0), f"{len(extra)} periods without one probe, {early} early"
+    assert probes_per_period[-1] in (0, 1)

@@ -12,7 +12,7 @@ from ankusa_shm import config
 from ankusa_shm.config import ConfigError
 from ankusa_shm.limits import Limit
 
-# The reference configuration of DESIGN.md, verbatim.
+# A full configuration as an operator would write one: every section, fleet scopes on.
 REFERENCE = """\
 [server]
 listen = ["127.0.0.1:8080"]

@@ -174,23 +174,26 @@ def test_drainer_keeps_its_batch_while_redis_is_down(redis_server: RedisServer) 
 
 
 def past_pending_ttl(cfg: Config) -> int:
-    """How far to move the clock so that claims made now have certainly expired: a claim
-    counts from its call's start plus the budget."""
-    return cfg.fleet.timeout_ms + cfg.fleet.pending_ttl_ms + 1
+    """How far to move the clock so that claims answered now have certainly expired."""
+    return cfg.fleet.pending_ttl_ms + 1
 
 
-def test_expired_operations_are_dropped_not_sent(redis_server: RedisServer) -> None:
+def test_only_answered_releases_expire_and_promotes_never_do(redis_server: RedisServer) -> None:
+    """Old releases of answered claims are dropped, not sent; old promotes are sent (a
+    promote is the only record that the hook exists) and write committed."""
     with segments(1) as (seg,):
         cfg = fleet_config(redis_server.url, bare(seg), pending_ttl_ms=10_000)
         clock = FakeClock()
 
         async def body() -> None:
             async with open_fleet(cfg, seg, clock=clock) as fleet:
-                old = [claim_of(await admit(fleet, cfg, f"old{i}")) for i in range(3)]
+                old = [claim_of(await admit(fleet, cfg, f"old{i}")) for i in range(5)]
                 clock.advance(past_pending_ttl(cfg))
                 new = [claim_of(await admit(fleet, cfg, f"new{i}")) for i in range(2)]
-                for i, c in enumerate(old + new):
+                for i, c in enumerate(old[:3] + new):
                     fleet.settle(c, Committed(f"hook-{i}"))
+                for c in old[3:]:
+                    fleet.settle(c, NotStored("gone"))
             with redis_server.client() as r:
                 reset_stats(r)
             await drain_all(cfg, seg, clock=clock)
@@ -198,20 +201,19 @@ def test_expired_operations_are_dropped_not_sent(redis_server: RedisServer) -> N
         run(body())
         counted = totals(seg)
         assert seg.queue_depth() == 0
-        assert counted[Counter.SETTLE_EXPIRED] == 3
-        assert counted[Counter.SETTLED_PROMOTE] == 2
+        assert counted[Counter.SETTLE_EXPIRED] == 2
+        assert counted[Counter.SETTLED_PROMOTE] == 5
+        assert counted[Counter.SETTLED_RELEASE] == 0
         assert counted[Counter.DRAIN_ROUND_TRIPS] == 1
         assert redis_server.commandstats().get("evalsha") == 1  # the one round trip
         with redis_server.client() as r:
-            values = committed_values(r, [dd_key(k) for k in ("old0", "old1", "old2")])
-            assert all(v is not None and v.startswith(b"p:") for v in values)  # not sent
-            assert committed_values(r, [dd_key("new0"), dd_key("new1")]) == [
-                b"c:hook-3",
-                b"c:hook-4",
-            ]
+            keys = [dd_key(k) for k in ("old0", "old1", "old2", "new0", "new1")]
+            assert committed_values(r, keys) == [f"c:hook-{i}".encode() for i in range(5)]
+            released = committed_values(r, [dd_key("old3"), dd_key("old4")])
+            assert all(v is not None and v.startswith(b"p:") for v in released)  # not sent
 
 
-def test_only_expired_operations_make_no_round_trip(redis_server: RedisServer) -> None:
+def test_only_expired_releases_make_no_round_trip(redis_server: RedisServer) -> None:
     with segments(1) as (seg,):
         cfg = fleet_config(redis_server.url, bare(seg), pending_ttl_ms=10_000)
         clock = FakeClock()

@@ -153,15 +153,22 @@ def test_unsettled_claim_expires(redis_server: RedisServer) -> None:
                 await asyncio.sleep(1.2)
                 second = claim_of(await admit(b, cfgs[1], "evt"))
                 assert second.token != first.token
-                # the first claim's late promote finds another token and changes nothing
+                with redis_server.client() as r:
+                    assert r.get(dd_key("evt")) == pending_value(second.token)
+                # The first host stored the hook after all: its late promote outlived its
+                # claim and writes committed over b's pending claim, and b's own promote
+                # then leaves the original in place.
                 store = RedisStore.from_config(cfgs[0].fleet)
                 try:
                     late = Record(Op.PROMOTE, first.key, first.token, b"late", 60_000, 0, 0)
-                    assert await store.settle([late]) == 0
+                    assert await store.settle([late], 0) == (1, 0)
+                    again = Record(Op.PROMOTE, second.key, second.token, b"b-copy", 60_000, 0, 0)
+                    assert await store.settle([again], 0) == (0, 0)
                 finally:
                     await store.close()
                 with redis_server.client() as r:
-                    assert r.get(dd_key("evt")) == pending_value(second.token)
+                    assert r.get(dd_key("evt")) == b"c:late"
+                assert await admit(b, cfgs[1], "evt") == Duplicate("late")
 
         run(body())
 
@@ -580,8 +587,9 @@ def test_killed_and_restarted_server(redis_server: RedisServer) -> None:
 
         run(body())
         stats = redis_server.commandstats()
-        assert stats.get("eval") == 1  # NOSCRIPT, then EVAL, which reloads the cache
-        assert stats.get("evalsha") == 2
+        assert "eval" not in stats  # the new connection loaded the scripts as it greeted
+        assert stats.get("script|load") == 2
+        assert stats.get("evalsha") == 2  # the probe, and the same event again
         assert totals(seg)[Counter.BREAKER_TO_CLOSED] == 1
 
 
@@ -674,3 +682,34 @@ def test_degraded_warning_once_per_host(redis_server: RedisServer, tmp_path: Pat
         for kind in ("rate_limit", "dedupe"):
             assert len([ln for ln in lines if re.search(rf"\b{kind}\b", ln)]) == 1, lines
         assert all(" WARNING " in ln for ln in lines)
+
+
+def test_flushed_script_cache_is_reloaded_once_per_burst(redis_server: RedisServer) -> None:
+    """SCRIPT FLUSH under 64 concurrent admits: one SCRIPT LOAD per burst on the one
+    connection, every caller repeats its EVALSHA, no full-source EVAL, and every admit is
+    answered by the fleet (the breaker has nothing to count)."""
+    flushes, burst = 5, 64
+    with segments(1) as (seg,):
+        cfg = fleet_config(redis_server.url, bare(seg), breaker_min_calls=20)
+
+        async def body() -> None:
+            async with open_fleet(cfg, seg) as fleet:
+                claim_of(await admit(fleet, cfg, "warm"))  # connected, scripts loaded
+                with redis_server.client() as r:
+                    reset_stats(r)
+                    for round_ in range(flushes):
+                        r.script_flush()
+                        answers = await asyncio.gather(
+                            *(admit(fleet, cfg, f"r{round_}-{i}") for i in range(burst))
+                        )
+                        assert all(isinstance(a, Admit) and a.claim for a in answers), answers
+
+        run(body())
+        stats = redis_server.commandstats()
+        assert "eval" not in stats
+        assert stats.get("script|load") == 2 * flushes  # both scripts, once per flush
+        assert stats.get("evalsha") == 2 * flushes * burst  # each caller tried, then again
+        counted = totals(seg)
+        assert counted[Counter.STORE_OK] == 1 + flushes * burst
+        assert counted[Counter.STORE_ERROR] == counted[Counter.STORE_TIMEOUT] == 0
+        assert counted[Counter.BREAKER_TO_OPEN] == 0

@@ -64,14 +64,19 @@ def assert_refused(r: subprocess.CompletedProcess[str], says: str) -> None:
     assert says in r.stderr
 
 
-def _writer(name: str, ready: Event, stop: Event) -> int:
+def served(index: int) -> int:
+    """How many requests writer ``index`` reports: a different figure for each."""
+    return 100 * (index + 1)
+
+
+def _writer(name: str, index: int, ready: Event, stop: Event) -> int:
     with Segment.attach(name) as s:
         slot = procs.claim(s.view, s.layout, procs.Role.WORKER)
+        for _ in range(served(index)):
+            slot.counters.add(Counter.REQUESTS)
+            slot.counters.add(Counter.ADMIT_OK)
         ready.set()
         while not stop.is_set():
-            for _ in range(100):
-                slot.counters.add(Counter.REQUESTS)
-                slot.counters.add(Counter.ADMIT_OK)
             slot.heartbeat(monotonic_ms())
             time.sleep(0.001)
         return os.getpid()
@@ -90,9 +95,9 @@ def busy(seg: Segment) -> Iterator[list[int]]:
         q.push(Record(Op.PROMOTE, b"k%d" % i, bytes(16), b"h%d" % i, 1, 2, 3))
     stop = CTX.Event()
     with Children() as kids:
-        for _ in range(WRITERS):
+        for i in range(WRITERS):
             ready = CTX.Event()
-            kids.start(_writer, seg.name, ready, stop)
+            kids.start(_writer, seg.name, i, ready, stop)
             assert ready.wait(60)
         yield [p.pid for p in kids.procs if p.pid is not None]
         stop.set()
@@ -110,9 +115,12 @@ def test_text_view_of_a_live_segment(seg: Segment, busy: list[int]) -> None:
     assert "breaker   open  window 20 s" in out
     assert "rate_limit=no  dedupe=YES" in out
     assert f"queue     2 / {seg.layout.params.queue_capacity} queued" in out
-    for pid in busy:
-        assert any(line.split()[1:3] == [str(pid), "worker"] for line in out.splitlines()), pid
-    assert "requests" in out
+    header = next(line.split() for line in out.splitlines() if line.split()[:2] == ["slot", "pid"])
+    assert header[-2:] == ["requests", "claims"]
+    rows = {line.split()[1]: line.split() for line in out.splitlines() if "worker" in line}
+    for i, pid in enumerate(busy):
+        assert rows[str(pid)][2] == "worker"
+        assert rows[str(pid)][-2:] == [str(served(i)), "1"]  # requests served, claims
 
 
 def test_json_view_of_a_live_segment(seg: Segment, busy: list[int]) -> None:
@@ -131,10 +139,11 @@ def test_json_view_of_a_live_segment(seg: Segment, busy: list[int]) -> None:
         assert doc["degraded"] == {"rate_limit": False, "dedupe": True}
         assert doc["queue"]["depth"] == 2
         assert doc["queue"]["capacity"] == seg.layout.params.queue_capacity
-        workers = {p["pid"] for p in doc["processes"] if p["role"] == "worker"}
-        assert workers == set(busy)
+        workers = {p["pid"]: p for p in doc["processes"] if p["role"] == "worker"}
+        assert set(workers) == set(busy)
+        assert [workers[pid]["requests"] for pid in busy] == [served(i) for i in range(WRITERS)]
         assert all(p["alive"] and p["state"] == "running" for p in doc["processes"])
-        assert doc["figures"]["requests"] > 0
+        assert doc["figures"]["requests"] == sum(served(i) for i in range(WRITERS))
         assert doc["figures"]['admit{result="ok"}'] > 0
         assert doc["figures"]['processes{role="worker"}'] == WRITERS
         assert doc["figures"]["fleet_breaker_state"] == 1
@@ -197,13 +206,24 @@ def test_corrupt_region_table(seg: Segment) -> None:
     assert_refused(console("inspect", "--name", seg.name, "--json"), "'queue'")
 
 
+NO_ROLE = (0xF << L.PS_ROLE_SHIFT) | (procs.SlotState.RUNNING << L.PS_STATE_SHIFT) | 1
+
+
 @pytest.mark.parametrize(
-    ("region", "word"),
-    [("breaker", -1), ("processes", (9 << 32) | 1)],  # a state that names no state
-    ids=["breaker-state", "process-slot-state"],
+    ("region", "at", "word"),
+    [
+        ("breaker", L.BR_STATE, -1),  # a state that names no state
+        ("processes", L.PS_HEADER, NO_ROLE),  # a running slot whose role names no role
+        ("processes", L.PS_HEADER, 0xFFFFFFFF),
+        ("queue", L.Q_CONSUMER, 2**40),  # a consumer pid no pid can be
+        (None, L.H_OWNER_PID, 2**40),
+    ],
+    ids=["breaker-state", "slot-role", "slot-pid", "consumer-pid", "owner-pid"],
 )
-def test_corrupt_contents_under_a_whole_header(seg: Segment, region: str, word: int) -> None:
-    seg.view.store(seg.layout.offset(region), word)
+def test_corrupt_contents_under_a_whole_header(
+    seg: Segment, region: str | None, at: int, word: int
+) -> None:
+    seg.view.store((seg.layout.offset(region) if region else 0) + at, word)
     assert_refused(script("--name", seg.name), "corrupt")
     assert_refused(console("inspect", "--name", seg.name, "--json"), "corrupt")
 

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import random
+import time
 from multiprocessing.synchronize import Barrier, Event
 
 import pytest
 from conftest import SMALL
-from proc_helpers import CTX, Children, run_children
+from proc_helpers import CTX, Children, reused_pid, run_children, zombie
 
-from ankusa_shm.shm import procs
+from ankusa_shm.shm import layout as L
+from ankusa_shm.shm import pids, procs
 from ankusa_shm.shm import segment as segmod
 from ankusa_shm.shm.counters import Counter
 from ankusa_shm.shm.procs import NoFreeSlot, Role
@@ -119,3 +122,53 @@ def test_racing_claims_get_distinct_slots(seg: Segment) -> None:
 def test_claim_out_of_range(seg: Segment) -> None:
     with pytest.raises(IndexError):
         procs.claim(seg.view, seg.layout, Role.WORKER, index=SMALL.process_slots)
+
+
+def _claim_count_exit(name: str, index: int, n: int) -> int:
+    with Segment.attach(name) as s:
+        slot = procs.claim(s.view, s.layout, Role.WORKER, index=index)
+        slot.counters.add(Counter.REQUESTS, n)
+        return os.getpid()  # exits holding the slot, as a killed worker does
+
+
+def test_a_slot_whose_holders_pid_was_reused_is_claimed_at_once(seg: Segment) -> None:
+    with Children() as kids:
+        kids.start(_claim_count_exit, seg.name, 3, 7)
+        (gone,) = kids.collect()
+        kids.join()
+    with reused_pid(gone):
+        started = time.monotonic()
+        slot = procs.claim(seg.view, seg.layout, Role.WORKER, index=3)  # not NoFreeSlot
+        assert time.monotonic() - started < 10  # and no waiting on the newcomer
+        (info,) = procs.read(seg.view, seg.layout)
+        assert (info.pid, info.start_ticks, info.alive) == (os.getpid(), pids.my_start(), True)
+        assert (slot.requests(), info.requests) == (0, 0)  # the dead holder's 7 are not ours
+        slot.counters.add(Counter.REQUESTS, 2)
+        assert slot.requests() == procs.read(seg.view, seg.layout)[0].requests == 2
+
+
+def test_a_zombie_holder_is_not_alive(seg: Segment) -> None:
+    def hold() -> None:
+        with Segment.attach(seg.name) as s:
+            procs.claim(s.view, s.layout, Role.WORKER, index=5)
+
+    with zombie(hold) as pid:
+        (info,) = procs.read(seg.view, seg.layout)
+        assert (info.slot, info.pid, info.alive) == (5, pid, False)
+        assert procs.claim(seg.view, seg.layout, Role.WORKER, index=5).index == 5
+
+
+def test_read_tolerates_any_slot_contents(seg: Segment) -> None:
+    rng = random.Random(7)
+    words = [0xFFFFFFFF, -1, 2**63 - 1, -(2**63), 2**40, 3 << L.PS_STATE_SHIFT]
+    words += [rng.getrandbits(64) - 2**63 for _ in range(40)]
+    base = seg.layout.offset("processes")
+    for i, w in enumerate(words):
+        b = base + i * L.PROCESS_SLOT_BYTES
+        seg.view.store(b + L.PS_HEADER, w)
+        for off in (L.PS_STARTED_NS, L.PS_HEARTBEAT_MS, L.PS_CLAIMS, L.PS_REQUESTS_BASE):
+            seg.view.store(b + off, rng.getrandbits(64) - 2**63)
+    shown = procs.read(seg.view, seg.layout)
+    assert {p.slot for p in shown} <= set(range(len(words)))
+    assert len(shown) > len(words) // 2
+    assert not any(p.alive for p in shown)  # nobody real is named by random words

@@ -241,7 +241,7 @@ def test_empty_pipeline_answers_at_once_and_wedges_nothing(redis_server: RedisSe
             async with asyncio.timeout(2):
                 assert await c.pipeline([]) == []
                 assert await c.send([]) == []
-                assert await store.settle([]) == 0
+                assert await store.settle([], 0) == (0, 0)
                 assert await c.call("ECHO", "after") == b"after"
         finally:
             await c.close()

@@ -1,18 +1,24 @@
 """Fleet admission on a local Redis Cluster of three masters (fleet.cluster = true): every
 hook's keys share its tenant's hash tag, so tenants spread over the nodes, and the
-ClusterClient routes, batches per node and follows MOVED."""
+ClusterClient routes, batches per node, follows MOVED and finds a failed primary's promoted
+replica. Also: the project's own hash slot agrees with the server's ``CLUSTER KEYSLOT``."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import random
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from fleet_helpers import (
+    TENANT,
     TIMEOUT_S,
     admit,
     bare,
@@ -23,6 +29,7 @@ from fleet_helpers import (
     rl_key,
     run,
     segments,
+    stopped,
     total,
     totals,
 )
@@ -30,7 +37,16 @@ from redis.crc import key_slot
 from redis_server import RedisServer, free_port
 
 from ankusa_shm.config import Config
-from ankusa_shm.fleet.admission import Admit, Admitted, Claim, DedupePending, Duplicate, RateLimited
+from ankusa_shm.fleet import hash_slot
+from ankusa_shm.fleet.admission import (
+    Admit,
+    Admitted,
+    Claim,
+    DedupePending,
+    Duplicate,
+    Fleet,
+    RateLimited,
+)
 from ankusa_shm.fleet.redis_client import ClusterClient
 from ankusa_shm.fleet.redis_store import RedisStore
 from ankusa_shm.hooks import Committed, NotStored
@@ -47,14 +63,28 @@ class RedisCluster:
     def url(self) -> str:
         return self.nodes[0].url
 
+    def slot_ranges(self) -> list[Any]:
+        """``CLUSTER SLOTS`` as a node still running says it."""
+        live = next(n for n in self.nodes if n.proc is not None and n.proc.poll() is None)
+        with live.client() as r:
+            ranges: list[Any] = r.execute_command("CLUSTER", "SLOTS")
+        return ranges
+
+    def by_port(self, port: object) -> RedisServer:
+        return next(n for n in self.nodes if n.port == int(str(port)))
+
+    def primaries(self) -> list[RedisServer]:
+        return [self.by_port(primary[1]) for _, _, primary, *_ in self.slot_ranges()]
+
     def owner(self, key: bytes) -> RedisServer:
         """The node that serves ``key``'s slot, as the cluster itself says."""
-        with self.nodes[0].client() as r:
-            ranges = r.execute_command("CLUSTER", "SLOTS")
+        return self.owner_and_replicas(key)[0]
+
+    def owner_and_replicas(self, key: bytes) -> list[RedisServer]:
         slot = key_slot(key)
-        for start, end, primary, *_ in ranges:
+        for start, end, *nodes in self.slot_ranges():
             if start <= slot <= end:
-                return next(n for n in self.nodes if n.port == int(primary[1]))
+                return [self.by_port(n[1]) for n in nodes]
         raise AssertionError(f"no node serves slot {slot}")
 
     def addr(self, node: RedisServer) -> Addr:
@@ -75,36 +105,50 @@ def _need_cluster_tools() -> None:
     pytest.skip(msg)
 
 
-def _cluster_ok(node: RedisServer) -> bool:
+def _cluster_ok(node: RedisServer, replicas: int) -> bool:
+    """This node sees the cluster whole: three slot ranges, each with its replicas, and,
+    if the node is a replica, its link to its primary is up (it has the data)."""
     with node.client() as r:
         info = r.execute_command("CLUSTER", "INFO").decode()
-        known = len(r.execute_command("CLUSTER", "SLOTS"))
-    return "cluster_state:ok" in info and known == 3
+        ranges = r.execute_command("CLUSTER", "SLOTS")
+        replication = r.info("replication")
+    return (
+        "cluster_state:ok" in info
+        and len(ranges) == 3
+        and all(len(nodes) == 1 + replicas for _, _, *nodes in ranges)
+        and (replication["role"] == "master" or replication["master_link_status"] == "up")
+    )
 
 
-def start_cluster() -> RedisCluster:
+def start_cluster(replicas: int = 0, node_timeout_ms: int = 5000) -> RedisCluster:
+    """Three primaries, each with ``replicas`` replicas, on free loopback ports."""
     nodes: list[RedisServer] = []
     try:
-        for _ in range(3):
+        for _ in range(3 * (1 + replicas)):
             args = [
                 "--cluster-enabled", "yes",
                 "--cluster-config-file", "nodes.conf",  # in the node's own --dir
                 "--cluster-port", str(free_port()),
-                "--cluster-node-timeout", "5000",
+                "--cluster-node-timeout", str(node_timeout_ms),
+                # a replica may take over however long ago it last heard its primary
+                "--cluster-replica-validity-factor", "0",
+                "--repl-diskless-sync-delay", "0",  # replicas sync at once, not after 5 s
+                # CLUSTER SLOTS lists a replica once its offset moved: ping it each second
+                "--repl-ping-replica-period", "1",
             ]  # fmt: skip
             nodes.append(RedisServer(None, *args))
         subprocess.run(
             [
                 "redis-cli", "--cluster", "create",
                 *(f"127.0.0.1:{n.port}" for n in nodes),
-                "--cluster-replicas", "0", "--cluster-yes",
+                "--cluster-replicas", str(replicas), "--cluster-yes",
             ],
             check=True,
             capture_output=True,
             timeout=TIMEOUT_S,
         )  # fmt: skip
         deadline = time.monotonic() + TIMEOUT_S
-        while not all(_cluster_ok(n) for n in nodes):
+        while not all(_cluster_ok(n, replicas) for n in nodes):
             if time.monotonic() > deadline:
                 raise RuntimeError("the cluster did not reach cluster_state:ok")
             time.sleep(0.05)
@@ -132,14 +176,15 @@ def cluster(cluster_once: RedisCluster) -> RedisCluster:
 
 
 def tenants_on_each_node(c: RedisCluster) -> list[str]:
-    """One tenant per node, in node order."""
+    """One tenant per primary, in node order."""
+    primaries = [n for n in c.nodes if n in c.primaries()]
     by_node: dict[int, str] = {}
     i = 0
-    while len(by_node) < len(c.nodes):
+    while len(by_node) < len(primaries):
         tenant = f"tenant{i}"
         by_node.setdefault(c.owner(rl_key(tenant)).port, tenant)
         i += 1
-    return [by_node[n.port] for n in c.nodes]
+    return [by_node[n.port] for n in primaries]
 
 
 def cluster_config(c: RedisCluster, seg_name: str, tenants: list[str], **kw: object) -> Config:
@@ -265,3 +310,182 @@ def test_moved_is_followed(cluster: RedisCluster) -> None:
         assert counted[Counter.STORE_ERROR] == counted[Counter.STORE_TIMEOUT] == 0
         assert counted[Counter.SETTLED_PROMOTE] == len(tenants)
         assert counted[Counter.DRAIN_ERRORS] == 0
+
+
+# -- the hash slot ----------------------------------------------------------------------------
+
+
+SLOT_KEYS = [
+    b"",
+    b"123456789",
+    b"{}",
+    b"{}tenant",
+    b"a{}b{c}d",  # the first { meets the first } at once: an empty tag, the whole key
+    b"{a}{b}",
+    b"{{nested}}",
+    b"x{a{b}c}y",
+    b"}{back}",
+    b"{unclosed",
+    b"closed}",
+    b"ankusa:{acme}:rl",
+    b"ankusa:{acme}:dd:src-acme:evt",
+    "ankusa:{t\u00e9nant-\u4e2d}:rl".encode(),
+    b"\xff\xfe\x00{\x80\x81}\x00",
+    b"\x00" * 64,
+]
+
+
+def test_key_slot_matches_cluster_keyslot(cluster: RedisCluster) -> None:
+    rng = random.Random(7)
+    keys = SLOT_KEYS + [rng.randbytes(rng.randrange(40)) for _ in range(300)]
+    keys += [b"p{" + rng.randbytes(3) + b"}" + rng.randbytes(5) for _ in range(100)]
+    with cluster.nodes[0].client() as r:
+        pipe = r.pipeline(transaction=False)
+        for k in keys:
+            pipe.execute_command("CLUSTER", "KEYSLOT", k)
+        expected = pipe.execute()
+    assert [hash_slot.key_slot(k) for k in keys] == expected
+    assert hash_slot.key_slot(b"123456789") == 0x31C3  # CRC16/XMODEM's check value
+
+
+def test_client_does_not_import_redis_py() -> None:
+    code = "import ankusa_shm.fleet.redis_client, sys; print('redis' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_reload_does_not_wait_for_a_hung_seed(cluster: RedisCluster) -> None:
+    """A seed that accepts but never answers (SIGSTOP) must not hold up a reload: the
+    other nodes answer it. A reload that waited on the seed would hold every caller that
+    needs it (a MOVED, a failed node) for its whole budget, and never refresh."""
+    seed = cluster.nodes[0]
+    with segments(1) as (seg,):
+        cfg = cluster_config(cluster, bare(seg), [TENANT])
+
+        async def body() -> None:
+            store = RedisStore.from_config(cfg.fleet)
+            client = store.client
+            assert isinstance(client, ClusterClient)
+            try:
+                await client.refresh()  # learns the other nodes
+                expected = list(client._slots)
+                client._slots = [None] * 16384
+                with stopped(seed.pid):
+                    async with asyncio.timeout(RECOVERY_S):
+                        await client.refresh()
+                assert client._slots == expected
+            finally:
+                await store.close()
+
+        run(body())
+
+
+# -- failover ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cluster_with_replicas() -> Iterator[RedisCluster]:
+    """Its own cluster: a test kills one of its primaries. A short node timeout makes the
+    failover quick; the replica validity factor 0 lets the replica take over whatever."""
+    _need_cluster_tools()
+    c = start_cluster(replicas=1, node_timeout_ms=2000)
+    yield c
+    c.close()
+
+
+def is_primary(node: RedisServer) -> bool:
+    with node.client(socket_timeout=1) as r:
+        role: list[Any] = r.execute_command("ROLE")
+    return bool(role[0] == b"master")
+
+
+def test_primary_failover_recovers(cluster_with_replicas: RedisCluster) -> None:
+    """SIGKILL the primary the config names as its seed: every admit meanwhile is answered
+    (node-local), and fleet answers for its slots resume soon after its replica is promoted."""
+    c = cluster_with_replicas
+    tenants = tenants_on_each_node(c)
+    victim_tenant = tenants[0]
+    victim, replica = c.owner_and_replicas(rl_key(victim_tenant))
+    survivors = [n for n in c.nodes if n is not victim]
+    at: dict[str, float] = {}
+    answers: list[Admitted] = []
+    with segments(1) as (seg,):
+        cfg = fleet_config(victim.url, bare(seg), cluster=True, tenants=tenants)
+
+        async def load(fleet: Fleet, stop: asyncio.Event) -> None:
+            """Fresh keys for every tenant, all along: each must be admitted."""
+            i = 0
+            while not stop.is_set():
+                for t in tenants:
+                    answers.append(await admit(fleet, cfg, f"fresh-{i}", t))
+                i += 1
+                await asyncio.sleep(0.002)
+
+        async def watch_promotion() -> None:
+            while not await asyncio.to_thread(is_primary, replica):
+                await asyncio.sleep(0.05)
+            at["promoted"] = time.monotonic()
+
+        async def recovered(fleet: Fleet) -> None:
+            committed = Duplicate(f"h-{victim_tenant}")
+            while (answer := await admit(fleet, cfg, "evt", victim_tenant)) != committed:
+                assert isinstance(answer, Admit), answer  # node-local, never refused
+                if "promoted" in at:
+                    assert time.monotonic() - at["promoted"] < RECOVERY_S, "no recovery"
+                await asyncio.sleep(0.02)
+            at["recovered"] = time.monotonic()
+
+        async def body() -> None:
+            async with open_fleet(cfg, seg) as fleet:
+                for t in tenants:
+                    fleet.settle(claim_of(await admit(fleet, cfg, "evt", t)), Committed(f"h-{t}"))
+                await drain_all(cfg, seg)
+                for t in tenants:
+                    assert await admit(fleet, cfg, "evt", t) == Duplicate(f"h-{t}")
+                with victim.client() as r:  # the replica holds the committed keys
+                    assert r.execute_command("WAIT", 1, 10_000) == 1
+                for n in survivors:
+                    with n.client() as r:
+                        r.config_resetstat()
+                victim.kill()  # SIGKILL
+                at["killed"] = time.monotonic()
+                stop = asyncio.Event()
+                loader = asyncio.create_task(load(fleet, stop))
+                watcher = asyncio.create_task(watch_promotion())
+                try:
+                    await recovered(fleet)
+                    await watcher
+                    for t in tenants:  # every tenant is answered by the fleet again
+                        await fleet_answers_again(fleet, cfg, t)
+                finally:
+                    stop.set()
+                    watcher.cancel()
+                    await asyncio.gather(loader, watcher, return_exceptions=True)
+
+        run(body())
+        counted = totals(seg)
+    assert at["recovered"] - at["promoted"] < RECOVERY_S
+    assert answers and all(isinstance(a, Admit) for a in answers)  # nothing refused
+    failed = counted[Counter.STORE_ERROR] + counted[Counter.STORE_TIMEOUT]
+    assert failed > 0  # the outage was seen, and answered node-local
+    assert counted[Counter.FALLBACK_DEDUPE] == failed
+    # Reloads after failures are rate limited: each survivor was asked CLUSTER SLOTS at
+    # most once per interval of the outage (and a few times more for MOVED).
+    allowed = (at["recovered"] - at["killed"]) / REFRESH_INTERVAL_S + 4
+    for n in survivors:
+        asked = n.commandstats().get("cluster|slots", 0)
+        assert asked <= allowed, (n.port, asked, allowed)
+    assert failed > 2 * allowed  # many failed calls, few reloads
+
+
+RECOVERY_S = 10.0  # "a few seconds" with room for a loaded machine; without reloads: never
+REFRESH_INTERVAL_S = 0.5  # ClusterClient's default
+
+
+async def fleet_answers_again(fleet: Fleet, cfg: Config, tenant: str) -> None:
+    """Wait until ``tenant``'s committed key is answered from Redis (not node-local)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while (answer := await admit(fleet, cfg, "evt", tenant)) != Duplicate(f"h-{tenant}"):
+        assert isinstance(answer, Admit), answer
+        assert time.monotonic() < deadline, f"{tenant} not answered by the fleet"
+        await asyncio.sleep(0.02)

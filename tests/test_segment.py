@@ -10,9 +10,10 @@ import secrets
 import posix_ipc
 import pytest
 from conftest import SMALL
-from proc_helpers import dead_pid, live_pid, run_children
+from proc_helpers import Children, dead_pid, live_pid, reused_pid, run_children
 
 from ankusa_shm.shm import layout as L
+from ankusa_shm.shm import pids
 from ankusa_shm.shm import segment as segmod
 from ankusa_shm.shm.segment import (
     CorruptSegment,
@@ -64,6 +65,7 @@ def test_create_is_private_ready_and_self_describing(seg: Segment, seg_name: str
     assert h.version == L.LAYOUT_VERSION
     assert h.ready
     assert h.owner_pid == os.getpid()
+    assert h.owner_start == pids.my_start() > 0
     assert h.params == SMALL
     assert h.total_size == seg.layout.total_size == os.stat("/dev/shm/" + seg_name).st_size
     assert seg.view.load(L.H_MAGIC) == L.MAGIC
@@ -244,12 +246,35 @@ def test_open_for_owner_replaces_a_foreign_segment(seg_name: str) -> None:
 def test_open_for_owner_refuses_a_live_owner(seg: Segment) -> None:
     _push(seg, _records(2))
     with live_pid() as pid:
+        start = pids.start_ticks(pid)
+        assert start is not None
+        seg.view.store(L.H_OWNER_START, start)
         seg.view.store(L.H_OWNER_PID, pid)
         with pytest.raises(SegmentInUse, match=str(pid)):
             Segment.open_for_owner(seg.name, SMALL)
         # Untouched: still the live owner's, queue intact.
         assert seg.header().owner_pid == pid
         assert seg.queue_depth() == 2
+
+
+def _own_push_and_exit(name: str) -> int:
+    with Segment.open_for_owner(name, SMALL) as s:
+        _push(s, _records(3))
+        return os.getpid()  # exits without unlinking, as a killed supervisor does
+
+
+def test_a_restarted_owner_takes_back_a_segment_whose_owner_pid_was_reused(
+    seg_name: str,
+) -> None:
+    with Children() as kids:
+        kids.start(_own_push_and_exit, seg_name)
+        (gone,) = kids.collect()
+        kids.join()
+    # Another process now has the dead supervisor's pid.
+    with reused_pid(gone), Segment.open_for_owner(seg_name, SMALL) as s:
+        h = s.header()
+        assert (h.owner_pid, h.owner_start) == (os.getpid(), pids.my_start())
+        assert s.queue_depth() == 3  # re-attached, not replaced
 
 
 def test_open_for_owner_by_the_owner_itself(seg: Segment) -> None:

@@ -7,15 +7,20 @@ abandonment grace period is injected (``now_ms``), so nothing waits on a real cl
 from __future__ import annotations
 
 import os
+import signal
 import time
 from multiprocessing.synchronize import Barrier, Event
 from typing import cast
 
+import kill_loop
 import pytest
 from conftest import SMALL
+from kill_loop import origin, rec
 from proc_helpers import CTX, Children, dead_pid, run_children
 
+from ankusa_shm import config
 from ankusa_shm._atomics import AtomicView
+from ankusa_shm.fleet.redis_store import RedisStore
 from ankusa_shm.shm import counters, settle_queue
 from ankusa_shm.shm import layout as L
 from ankusa_shm.shm import segment as segmod
@@ -33,24 +38,8 @@ from ankusa_shm.shm.settle_queue import (
 GRACE_MS = 200
 PRODUCERS = 3
 PER_PRODUCER = 20_000
-
-
-def rec(seq: int, producer: int = 0, *, key: bytes | None = None, op: Op = Op.PROMOTE) -> Record:
-    """A record that says who pushed it, and which of that producer's it is."""
-    return Record(
-        op=op,
-        key=key if key is not None else b"ankusa:{acme}:dd:github:%d" % seq,
-        token=seq.to_bytes(8, "little") + producer.to_bytes(8, "little"),
-        hook_id=b"%d:%d" % (producer, seq),
-        ttl_ms=259_200_000,
-        claimed_ms=seq,
-        enqueued_ms=seq + 1,
-    )
-
-
-def origin(r: Record) -> tuple[int, int]:
-    producer, seq = r.hook_id.split(b":")
-    return int(producer), int(seq)
+# Consumers SIGKILLed by the kill loop; scripts/settle_kill_loop.py runs it longer.
+KILLS = int(os.environ.get("ANKUSA_QUEUE_KILLS", "300"))
 
 
 def queue(seg: Segment, grace_ms: int = settle_queue.ABANDON_GRACE_MS) -> SettleQueue:
@@ -432,3 +421,136 @@ def test_a_producer_that_resumes_within_the_grace_period_is_delivered(seg: Segme
     # Published before the consumer gave up on it: delivered, however late it looks now.
     batch, skipped = q.peek(10, 100 * GRACE_MS)
     assert (batch.records, skipped) == ([rec(7, 5)], 0)
+
+
+# -- consumers killed at any instruction ------------------------------------------------------
+
+
+def tiny_ring(seg_name: str, capacity: int = 8) -> Segment:
+    params = segmod.make_params(queue_capacity=capacity, gcra_slots=16, process_slots=8)
+    return Segment.create(seg_name, params)
+
+
+def _commit_and_die(name: str, die_at: int) -> None:
+    kill_loop.die_in_commit(die_at)
+    with Segment.attach(name) as s:
+        q = queue(s)
+        q.become_consumer()
+        q.commit(q.peek(100, now_ms=0)[0])
+
+
+@pytest.mark.parametrize("die_at", [0, 1, 5, 7])
+def test_a_consumer_killed_inside_commit_loses_nothing(seg_name: str, die_at: int) -> None:
+    """SIGKILLed inside commit after freeing ``die_at`` of its 8 slots: the ring never
+    lends more than its capacity, and the next consumer goes on at once -- no grace
+    period, nothing skipped, nothing of the next lap erased."""
+    cap = 8
+    with tiny_ring(seg_name, cap) as s:
+        q = queue(s, grace_ms=GRACE_MS)
+        assert [q.push(rec(i)) for i in range(cap)] == [Pushed.OK] * cap
+        with Children() as kids:
+            kids.start(_commit_and_die, s.name, die_at).join(60)
+            assert kids.procs[0].exitcode == -signal.SIGKILL
+        pushed = [q.push(rec(cap + i)) for i in range(cap)]
+        told_ok = [rec(cap + i) for i, p in enumerate(pushed) if p is Pushed.OK]
+        assert q.depth() <= cap
+        q.become_consumer()
+        got = drain(q)  # the clock stands still: no grace period passes, and none is needed
+        assert [r for r in got if r in told_ok] == told_ok
+        assert not set(got) - set(told_ok) - {rec(i) for i in range(cap)}  # or redelivered
+        assert [q.push(rec(2 * cap + i)) for i in range(cap)] == [Pushed.OK] * cap
+        assert q.depth() == cap
+        assert drain(q) == [rec(2 * cap + i) for i in range(cap)]
+
+
+@pytest.mark.parametrize("head_moved", [False, True], ids=["marked", "head-moved"])
+def test_a_consumer_killed_while_abandoning_a_slot_is_finished_by_the_next(
+    seg_name: str, head_moved: bool
+) -> None:
+    """What a consumer leaves when killed inside an abandonment: the slot marked but the
+    head not moved past it, or the head moved but the slot not yet freed. The successor
+    finishes either at once, counts the slot once (only if the head had not moved: that
+    consumer never returned its count), and the ring lends no slot before it is freed."""
+    cap = 8
+    with tiny_ring(seg_name, cap) as s:
+        base = s.layout.offset("queue")
+        q = queue(s, grace_ms=GRACE_MS)
+        assert [q.push(rec(i)) for i in range(2)] == [Pushed.OK] * 2
+        s.view.store(base + L.Q_SLOTS, 0 | L.QS_ABANDONED)
+        if head_moved:
+            s.view.store(base + L.Q_DEQUEUE, 1)
+        pushed = [q.push(rec(2 + i)) for i in range(cap)]
+        assert pushed == [Pushed.OK] * 6 + [Pushed.FULL] * 2  # slot 0 is not free yet
+        q.become_consumer()
+        batch, skipped = q.peek(100, now_ms=0)
+        assert (batch.records, skipped) == ([rec(i) for i in range(1, 8)], 0 if head_moved else 1)
+        q.commit(batch)
+        assert [q.push(rec(8 + i)) for i in range(cap + 1)] == [Pushed.OK] * cap + [Pushed.FULL]
+        assert drain(q) == [rec(8 + i) for i in range(cap)]
+
+
+def test_consumers_killed_at_random_lose_nothing(seg_name: str) -> None:
+    params = segmod.make_params(queue_capacity=256, gcra_slots=16, process_slots=8)
+    with Segment.create(seg_name, params) as s:
+        t = kill_loop.run(s, KILLS)
+    figures = t.figures()
+    assert t.kills == KILLS and t.told_ok > KILLS, figures
+    assert t.killed_in_commit == len(range(0, KILLS, 3)), figures
+    assert (t.lost, t.phantom, t.corrupt) == (0, 0, 0), figures
+    assert t.depth_over_capacity == 0, figures
+    assert (t.abandoned, t.told_abandoned) == (0, 0), figures  # no producer died or stalled
+
+
+def test_producers_killed_mid_push_are_the_only_abandoned(seg_name: str) -> None:
+    params = segmod.make_params(queue_capacity=256, gcra_slots=16, process_slots=8)
+    with Segment.create(seg_name, params) as s:
+        t = kill_loop.run(s, kills=30, victims=3, grace_ms=GRACE_MS, seed=7)
+    figures = t.figures()
+    assert t.victims == 3, figures
+    assert (t.lost, t.phantom, t.corrupt, t.depth_over_capacity) == (0, 0, 0, 0), figures
+    # A producer stalled past the grace period is told so; nothing else is abandoned.
+    assert t.abandoned == t.victims + t.told_abandoned, figures
+
+
+# -- limits -------------------------------------------------------------------------------------
+
+
+def test_a_ring_of_one_slot_is_refused(seg_name: str) -> None:
+    """With one slot, "published" (pos + 1) and "free on the next lap" (pos + capacity)
+    are the same sequence number: every push would overwrite the unread record."""
+    with pytest.raises(ValueError, match="queue_capacity=1 is below 2"):
+        L.Layout.of(L.Params(counters=1, queue_capacity=1))
+    with pytest.raises(ValueError, match="queue_capacity=1 is below 2"):
+        Segment.create(seg_name, segmod.make_params(queue_capacity=1))
+    with tiny_ring(seg_name, 2) as s:  # two slots are a ring
+        q = queue(s)
+        q.become_consumer()
+        for lap in range(3):
+            assert [q.push(rec(i, lap)) for i in range(3)] == [Pushed.OK] * 2 + [Pushed.FULL]
+            assert drain(q) == [rec(0, lap), rec(1, lap)]
+
+
+def _config(prefix: str, source: str, tenant: str) -> config.Config:
+    raw = {"fleet": {"key_prefix": prefix}, "sources": [{"id": source, "tenant": tenant}]}
+    return config.parse(raw, "limits.toml")
+
+
+def test_the_largest_record_a_valid_config_allows_round_trips(seg: Segment) -> None:
+    name = "n" * L.MAX_NAME
+    cfg = _config(name, name, name)
+    for bad in (name + "n", name + "\n"):  # one character longer is refused, each name
+        for names, setting in [((bad, name, name), "key_prefix"), ((name, bad, name), "id")]:
+            with pytest.raises(config.ConfigError, match=setting):
+                _config(*names)
+        with pytest.raises(config.ConfigError, match="tenant"):
+            _config(name, name, bad)
+    source = cfg.sources[0]
+    store = RedisStore.from_config(cfg.fleet)
+    key = store.dedupe_key(source.tenant, source.id, b"e" * L.MAX_EVENT_KEY)
+    assert len(key) == L.MAX_DEDUPE_KEY
+    assert len(store.dedupe_key(source.tenant, source.id, b"e" * 10_000)) < L.MAX_DEDUPE_KEY
+    biggest = Record(Op.PROMOTE, key, os.urandom(16), b"h" * L.MAX_HOOK_ID, 1, 2, 3)
+    q = queue(seg)
+    assert q.push(biggest) is Pushed.OK
+    q.become_consumer()
+    assert q.peek(1, now_ms=0)[0].records == [biggest]

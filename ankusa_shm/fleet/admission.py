@@ -9,24 +9,27 @@ dedupe ``Admit(None)`` so the store's local index decides. A limiter outage neve
 a hook.
 
 A claim that may exist in Redis is always handed back, even when its call timed out (the
-server may yet run it): settling it then promotes or releases what is there, and a
-no-op costs nothing. Settling is a push onto the settle queue in the segment; the drainer
-process delivers it. Nothing here takes a lock or sends a message to another process.
+server may yet run it, after any stall): settling it then promotes or releases what is
+there, and a no-op costs nothing. Settling is a push onto the settle queue in the segment
+(``settle.Settler``); the drainer process delivers it. Nothing here takes a lock or sends
+a message to another process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
 
 from ankusa_shm.clock import Clock, monotonic_ns
-from ankusa_shm.config import Config, Source
+from ankusa_shm.config import Config, Source, SourceDedupe
 from ankusa_shm.fleet import redis_store
 from ankusa_shm.fleet.redis_client import RedisError
 from ankusa_shm.fleet.redis_store import RedisStore
-from ankusa_shm.hooks import AlreadyStored, CommitResult, Committed, Envelope
+from ankusa_shm.fleet.settle import Claim, Settler
+from ankusa_shm.hooks import CommitResult, Envelope
 from ankusa_shm.limits import Limit
 from ankusa_shm.shm.breaker import Breaker, Permit, Policy, State
 from ankusa_shm.shm.counters import Counter
@@ -34,21 +37,11 @@ from ankusa_shm.shm.degraded import Degraded
 from ankusa_shm.shm.gcra import GcraTable
 from ankusa_shm.shm.procs import ProcessSlot
 from ankusa_shm.shm.segment import Segment
-from ankusa_shm.shm.settle_queue import Op, Pushed, Record, RecordTooLarge, SettleQueue
+from ankusa_shm.shm.settle_queue import SettleQueue
 
 log = logging.getLogger("ankusa_shm.fleet")
 
-DEFAULT_DEDUPE_TTL_S = 259_200
-
-
-@dataclass(frozen=True, slots=True)
-class Claim:
-    """A dedupe key this host may hold as pending, and the token that proves it."""
-
-    key: bytes
-    token: bytes
-    ttl_ms: int  # the source's dedupe window: how long a promoted key lives
-    claimed_ms: int  # the latest moment the store can have written it: call start + budget
+__all__ = ["Admit", "Admitted", "Claim", "DedupePending", "Duplicate", "Fleet", "RateLimited"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +92,6 @@ class Fleet:
         self._dedupe_fleet = "dedupe" in self._kinds
         self._limits = cfg.rate_limits
         f = cfg.fleet
-        self._budget_ms = f.timeout_ms
         self._budget_s = f.timeout_ms / 1000
         self._pending_ttl_ms = f.pending_ttl_ms
         self._clock = clock
@@ -112,13 +104,13 @@ class Fleet:
                 min_calls=f.breaker_min_calls,
                 window_ms=f.breaker_window_ms,
                 open_ms=f.breaker_open_ms,
-                probe_timeout_ms=2 * f.timeout_ms + 100,
+                probe_timeout_ms=f.probe_timeout_ms,
             ),
             self._row,
         )
         self._degraded = Degraded(seg.view, seg.layout)
         self._gcra = GcraTable(seg.view, seg.layout, self._row)
-        self._queue = SettleQueue(seg.view, seg.buf, seg.layout)
+        self._settler = Settler(SettleQueue(seg.view, seg.buf, seg.layout), self._row, clock)
 
     # -- the request path -----------------------------------------------------------------
 
@@ -135,15 +127,15 @@ class Fleet:
         now_ms = now // 1_000_000
         claim = None
         if event_key is not None:
-            ttl_s = source.dedupe.ttl_seconds if source.dedupe else DEFAULT_DEDUPE_TTL_S
+            ttl_s = (source.dedupe or SourceDedupe()).ttl_seconds
             key = self._store.dedupe_key(source.tenant, source.id, event_key)
-            claim = Claim(key, os.urandom(16), ttl_s * 1000, now_ms + self._budget_ms)
+            claim = Claim(key, os.urandom(16), ttl_s * 1000)
         permit = self._breaker.allow(now_ms)
         if permit.call:
             answer = await self._ask_store(permit, source.tenant, limit, claim, now)
             if answer is not None:
                 return self._tally(answer)
-            reason = "the last fleet store call failed"
+            reason = "the last fleet store call failed"  # the claim's moment stays unknown
         else:
             claim = None  # no call was made: nothing can have been claimed
             reason = "the fleet store breaker is open"
@@ -151,23 +143,15 @@ class Fleet:
         return self._tally(self._take_local(source.tenant, limit, now, claim))
 
     def settle(self, claim: Claim | None, result: CommitResult) -> None:
-        """Queue the outcome of the commit that followed ``admit``: durable (committed, or
-        known to this host's index) promotes the claim under that hook id; anything else
-        releases it. Never blocks, never raises: a full queue is a counted drop."""
-        if claim is None:
-            return
-        if isinstance(result, Committed | AlreadyStored):
-            self.promote(claim, result.hook_id)
-        else:
-            self.release(claim)
+        """Queue the outcome of the commit that followed ``admit`` (``Settler.settle``).
+        Never blocks, never raises: a full queue is a counted drop."""
+        self._settler.settle(claim, result)
 
     def promote(self, claim: Claim | None, hook_id: str) -> None:
-        if claim is not None:
-            self._enqueue(Op.PROMOTE, claim, hook_id.encode())
+        self._settler.promote(claim, hook_id)
 
     def release(self, claim: Claim | None) -> None:
-        if claim is not None:
-            self._enqueue(Op.RELEASE, claim, b"")
+        self._settler.release(claim)
 
     async def reset_tenant(self, tenant: str) -> None:
         """Forget the tenant's buckets, this host's and the fleet's (its limit changed).
@@ -226,6 +210,8 @@ class Fleet:
             self._breaker.record(ok, now_ms)
         if not ok:
             return None
+        if claim is not None:  # answered: the claim was written, if at all, before now
+            claim = dataclasses.replace(claim, claimed_ms=self._clock() // 1_000_000)
         if self._breaker.state() == State.CLOSED:  # a late success while open changes nothing
             for kind in self._kinds:
                 self._degraded.set(kind, False)
@@ -260,23 +246,3 @@ class Fleet:
         if isinstance(result, RateLimited):
             self._row.add(Counter.RATE_LIMIT_REJECTED)
         return result
-
-    def _enqueue(self, op: Op, claim: Claim, hook_id: bytes) -> None:
-        rec = Record(
-            op=op,
-            key=claim.key,
-            token=claim.token,
-            hook_id=hook_id,
-            ttl_ms=claim.ttl_ms,
-            claimed_ms=claim.claimed_ms,
-            enqueued_ms=self._clock() // 1_000_000,
-        )
-        try:
-            pushed = self._queue.push(rec)
-        except RecordTooLarge as e:
-            log.error("settle operation dropped: %s", e)
-            pushed = Pushed.FULL
-        if pushed is Pushed.OK:
-            self._row.add(Counter.SETTLE_ENQUEUED)
-        elif pushed is Pushed.FULL:
-            self._row.add(Counter.SETTLE_DROPPED)

@@ -4,8 +4,11 @@ It is the settle queue's single consumer. Every ``settle_interval_ms`` it peeks 
 ``settle_batch_max`` operations and delivers them in one pipelined round trip; only then
 does it free them in the ring. If Redis fails it keeps that batch and retries with capped
 backoff while producers keep filling the ring behind it; a drainer killed at any moment
-loses nothing, because the next one starts from the same head. An operation whose
-pending claim has certainly expired is counted and not sent. On SIGTERM it keeps
+loses nothing, because the next one starts from the same head (and a batch delivered twice
+changes nothing: every operation is idempotent). A release whose pending claim has
+certainly expired -- its call was answered more than ``pending_ttl_ms`` ago -- is counted
+and not sent; a promote is never dropped for age, since it is the only record in Redis
+that the hook exists. On SIGTERM it keeps
 delivering for up to ``drain_on_stop_ms`` and exits 0; on SIGINT or SIGQUIT it exits at
 once (what is queued stays in the segment).
 """
@@ -25,17 +28,18 @@ from ankusa_shm.config import Config
 from ankusa_shm.credentials import read_secret
 from ankusa_shm.fleet.redis_client import RedisError
 from ankusa_shm.fleet.redis_store import RedisStore
+from ankusa_shm.fleet.settle import UNKNOWN
 from ankusa_shm.shm import procs
 from ankusa_shm.shm.counters import Counter
+from ankusa_shm.shm.degraded import WARN_EVERY_MS
 from ankusa_shm.shm.procs import ProcessSlot, Role
 from ankusa_shm.shm.segment import Segment
-from ankusa_shm.shm.settle_queue import Batch, ConsumerTaken, Op, SettleQueue
+from ankusa_shm.shm.settle_queue import Batch, ConsumerTaken, Op, Record, SettleQueue
 
 log = logging.getLogger("ankusa_shm.drainer")
 
 BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 2.0
-WARN_EVERY_MS = 60_000
 
 
 class Drainer:
@@ -90,9 +94,11 @@ class Drainer:
                         return
                     await self._pause(self._interval_s, stop)
                     continue
-                if await self._deliver(batch, now):
+                delivered = await self._deliver(batch, now)
+                if delivered is not None:
                     full = len(batch.records) >= self._batch_max
                     self._queue.commit(batch)
+                    self._count(delivered)  # after the commit: a redelivery counts once
                     batch, backoff = None, 0.0
                     if not full:
                         await self._pause(self._interval_s, stop)
@@ -102,14 +108,23 @@ class Drainer:
         finally:
             self._queue.resign_consumer()
 
-    async def _deliver(self, batch: Batch, now_ms: int) -> bool:
-        """One round trip for the batch; False (batch kept) if the store failed."""
-        live = [r for r in batch.records if now_ms - r.claimed_ms <= self._pending_ttl_ms]
+    def _expired(self, rec: Record, now_ms: int) -> bool:
+        """Only a release whose claim was certainly written, long enough ago, is dropped."""
+        return (
+            rec.op is Op.RELEASE
+            and rec.claimed_ms != UNKNOWN
+            and now_ms - rec.claimed_ms > self._pending_ttl_ms
+        )
+
+    async def _deliver(self, batch: Batch, now_ms: int) -> tuple[int, int, int] | None:
+        """One round trip for the batch: (promotes, releases sent, expired); None (batch
+        kept) if the store failed."""
+        live = [r for r in batch.records if not self._expired(r, now_ms)]
         if live:
             self._row.add(Counter.DRAIN_ROUND_TRIPS)
             try:
                 async with asyncio.timeout(self._timeout_s):
-                    await self._store.settle(live)
+                    await self._store.settle(live, now_ms)
             except (TimeoutError, RedisError) as e:
                 self._row.add(Counter.DRAIN_ERRORS)
                 if self._warned_ms is None or now_ms - self._warned_ms >= WARN_EVERY_MS:
@@ -120,14 +135,18 @@ class Drainer:
                         len(batch.records),
                         self._queue.depth(),
                     )
-                return False
-            promotes = sum(1 for r in live if r.op is Op.PROMOTE)
+                return None
+        promotes = sum(1 for r in live if r.op is Op.PROMOTE)
+        return promotes, len(live) - promotes, len(batch.records) - len(live)
+
+    def _count(self, delivered: tuple[int, int, int]) -> None:
+        promotes, releases, expired = delivered
+        if promotes:
             self._row.add(Counter.SETTLED_PROMOTE, promotes)
-            self._row.add(Counter.SETTLED_RELEASE, len(live) - promotes)
-        expired = len(batch.records) - len(live)
+        if releases:
+            self._row.add(Counter.SETTLED_RELEASE, releases)
         if expired:
             self._row.add(Counter.SETTLE_EXPIRED, expired)
-        return True
 
     @staticmethod
     async def _pause(seconds: float, stop: asyncio.Event) -> None:
@@ -146,8 +165,7 @@ def main(cfg: Config, slot_index: int | None = None) -> int:
     try:
         slot = procs.claim(seg.view, seg.layout, Role.DRAINER, index=slot_index)
         password = read_secret(cfg.fleet.password_env, cfg.fleet.password_file)
-        stall_s = 2 * cfg.fleet.settle_timeout_ms / 1000
-        store = RedisStore.from_config(cfg.fleet, password, stall_s=stall_s)
+        store = RedisStore.from_config(cfg.fleet, password, stall_s=cfg.fleet.drainer_stall_s)
         drainer = Drainer(cfg, seg, slot, store)
 
         async def serve() -> None:

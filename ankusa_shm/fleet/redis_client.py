@@ -9,6 +9,12 @@ a pooled request/response connection reused with a reply still on the wire; here
 is ever reused out of order). A connection whose oldest request has waited longer than
 ``stall_ms`` is closed and every waiter failed, so a hung server cannot pile up work.
 
+Lua scripts a client is given are loaded (``SCRIPT LOAD``) on every connection as part of
+its greeting, so callers only ever send ``EVALSHA``. A server that loses its script cache
+while connected (``SCRIPT FLUSH``) answers ``NOSCRIPT``: the first such reply on a
+connection sends one ``SCRIPT LOAD`` and every caller caught in the same burst waits for
+that one load and repeats its ``EVALSHA`` -- never a full-source ``EVAL`` per caller.
+
 ``Client`` talks to one server (``redis://``, ``rediss://``, ``unix://``); ``ClusterClient``
 routes each command by its key's hash slot across a Redis Cluster, following ``MOVED``
 (refresh the slot map) and ``ASK`` (one ``ASKING`` hop). Sockets and loops are created
@@ -27,7 +33,8 @@ from typing import Any, cast
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import hiredis
-from redis.crc import key_slot
+
+from ankusa_shm.fleet.hash_slot import key_slot
 
 Arg = bytes | str | int
 Reply = Any
@@ -125,6 +132,7 @@ class Connection(asyncio.Protocol):
         self._stall_s = stall_s
         self._out: list[bytes] = []
         self.closed = False
+        self.script_load: asyncio.Future[None] | None = None  # the one reload in flight
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -192,11 +200,17 @@ class Client:
     """One server, one multiplexed connection, opened on first use and after any loss."""
 
     def __init__(
-        self, endpoint: Endpoint, *, stall_s: float = 2.0, retry_connect_s: float = 0.1
+        self,
+        endpoint: Endpoint,
+        *,
+        stall_s: float = 2.0,
+        retry_connect_s: float = 0.1,
+        scripts: Sequence[bytes] = (),
     ) -> None:
         self.endpoint = endpoint
         self._stall_s = stall_s
         self._retry_connect_s = retry_connect_s
+        self._scripts = tuple(scripts)
         self._conn: Connection | None = None
         self._connecting: asyncio.Future[Connection] | None = None
         self._failed_at = 0.0
@@ -222,7 +236,35 @@ class Client:
             return []
         conn = await self._connection()
         payload = b"".join(pack(*c) for c in commands)
-        return await conn.request(payload, len(commands))
+        replies = await conn.request(payload, len(commands))
+        again = [i for i, r in enumerate(replies) if _noscript(r)] if self._scripts else []
+        if again:
+            await self._reload_scripts(conn)
+            redo = await conn.request(b"".join(pack(*commands[i]) for i in again), len(again))
+            for i, r in zip(again, redo, strict=True):
+                replies[i] = r
+        return replies
+
+    async def _reload_scripts(self, conn: Connection) -> None:
+        """Load the scripts again on ``conn``; callers in one NOSCRIPT burst share one load
+        (its replies come in order, so every EVALSHA sent before the load was sent finds it
+        still in flight)."""
+        if conn.script_load is None:
+            conn.script_load = asyncio.ensure_future(self._load_scripts(conn))
+            conn.script_load.add_done_callback(_retrieve)
+        load = conn.script_load
+        try:
+            await asyncio.shield(load)
+        finally:
+            if load.done() and conn.script_load is load:
+                conn.script_load = None
+
+    async def _load_scripts(self, conn: Connection) -> None:
+        loads = [("SCRIPT", "LOAD", src) for src in self._scripts]
+        replies = await conn.request(b"".join(pack(*c) for c in loads), len(loads))
+        bad = next((r for r in replies if isinstance(r, ReplyError)), None)
+        if bad is not None:
+            raise bad
 
     async def _connection(self) -> Connection:
         if self._conn is not None and not self._conn.closed:
@@ -271,6 +313,7 @@ class Client:
             hello.append(("AUTH", ep.username, ep.password) if ep.username else auth)
         if ep.db:
             hello.append(("SELECT", ep.db))
+        hello += [("SCRIPT", "LOAD", src) for src in self._scripts]
         if hello:
             try:
                 replies = await conn.request(b"".join(pack(*c) for c in hello), len(hello))
@@ -297,24 +340,43 @@ class Client:
 class ClusterClient:
     """A Redis Cluster: commands are routed by the slot of their first key.
 
-    The slot map comes from ``CLUSTER SLOTS`` on any known node and is refreshed after a
-    ``MOVED`` reply; a command is retried once after a redirection (within the caller's
-    budget, which bounds everything).
+    The slot map comes from ``CLUSTER SLOTS`` and is reloaded after a ``MOVED`` reply and
+    after any node could not be reached: a primary that died is replaced by its replica,
+    and only a fresh map says which. A reload after a failed node runs in the background
+    and at most once per ``refresh_interval_s`` (a dead node fails every call sent to it;
+    under load that must not become a reload per call), so the failed call returns at once
+    and its caller answers node-local. Such a call is not repeated elsewhere: the node may
+    have run it before the connection went. A redirected command is retried once. The
+    caller's budget bounds everything; reloads are shared, so giving up cancels none.
     """
 
-    def __init__(self, seed: Endpoint, *, stall_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        seed: Endpoint,
+        *,
+        stall_s: float = 2.0,
+        refresh_interval_s: float = 0.5,
+        scripts: Sequence[bytes] = (),
+    ) -> None:
         self._seed = seed
         self._stall_s = stall_s
+        self._scripts = tuple(scripts)
+        self._refresh_interval_s = refresh_interval_s
         self._nodes: dict[tuple[str, int], Client] = {}
+        # every node the last map named, replicas too: any of them can answer a reload
+        self._peers: list[tuple[str, int]] = [(seed.host, seed.port)]
         self._slots: list[tuple[str, int] | None] = [None] * 16384
+        self._loaded = False
         self._refreshing: asyncio.Future[None] | None = None
+        self._failure_refresh_at = float("-inf")
 
     def _node(self, addr: tuple[str, int]) -> Client:
         client = self._nodes.get(addr)
         if client is None:
             s = self._seed
             ep = Endpoint(addr[0], addr[1], "", 0, s.username, s.password, s.tls, s.ca_file)
-            client = self._nodes[addr] = Client(ep, stall_s=self._stall_s)
+            client = Client(ep, stall_s=self._stall_s, scripts=self._scripts)
+            self._nodes[addr] = client
         return client
 
     async def call(self, key: bytes, *args: Arg) -> Reply:
@@ -324,8 +386,9 @@ class ClusterClient:
         return reply
 
     async def send(self, commands: Sequence[tuple[bytes, Sequence[Arg]]]) -> list[Reply]:
-        """(routing key, command) pairs; one concurrent round trip per node involved."""
-        if self._slots[0] is None:
+        """(routing key, command) pairs; one concurrent round trip per node involved. A
+        node that cannot be reached raises ``RedisError`` for the whole call."""
+        if not self._loaded:
             await self.refresh()
         replies: list[Reply] = [None] * len(commands)
         todo = list(range(len(commands)))
@@ -337,7 +400,7 @@ class ClusterClient:
                     raise RedisError("cluster slot map has no owner for a key")
                 by_node[addr].append(i)
             results = await asyncio.gather(
-                *(self._node(a).pipeline([commands[i][1] for i in ix]) for a, ix in by_node.items())
+                *(self._pipeline(a, [commands[i][1] for i in ix]) for a, ix in by_node.items())
             )
             redirected = []
             for ix, rs in zip(by_node.values(), results, strict=True):
@@ -352,43 +415,92 @@ class ClusterClient:
             asks = [i for i in redirected if str(replies[i]).startswith("ASK ")]
             for i in asks:
                 host, _, port = str(replies[i]).split()[2].rpartition(":")
-                rs = await self._node((host, int(port))).pipeline([("ASKING",), commands[i][1]])
+                rs = await self._pipeline((host, int(port)), [("ASKING",), commands[i][1]])
                 replies[i] = rs[1]
             todo = [i for i in redirected if i not in asks]
         return replies
 
+    async def _pipeline(
+        self, addr: tuple[str, int], commands: Sequence[Sequence[Arg]]
+    ) -> list[Reply]:
+        """One node's share of a call; a node that fails may have failed over."""
+        try:
+            return await self._node(addr).pipeline(commands)
+        except RedisError:
+            self._refresh_soon()
+            raise
+
+    def _refresh_soon(self) -> None:
+        """Start a background reload unless one started within the last interval."""
+        now = time.monotonic()
+        if now - self._failure_refresh_at < self._refresh_interval_s:
+            return
+        self._failure_refresh_at = now
+        self._start_refresh()
+
     async def refresh(self) -> None:
         """Reload the slot map; concurrent callers share one reload."""
+        await asyncio.shield(self._start_refresh())
+
+    def _start_refresh(self) -> asyncio.Future[None]:
         if self._refreshing is None:
             self._refreshing = asyncio.ensure_future(self._load_slots())
-            self._refreshing.add_done_callback(_retrieve)
-        try:
-            await asyncio.shield(self._refreshing)
-        finally:
-            if self._refreshing is not None and self._refreshing.done():
-                self._refreshing = None
+            self._refreshing.add_done_callback(self._refreshed)
+        return self._refreshing
+
+    def _refreshed(self, fut: asyncio.Future[None]) -> None:
+        if self._refreshing is fut:
+            self._refreshing = None
+        _retrieve(fut)
 
     async def _load_slots(self) -> None:
-        seeds = [(self._seed.host, self._seed.port), *self._nodes]
-        last: Exception | None = None
-        for addr in dict.fromkeys(seeds):
-            try:
-                ranges = await self._node(addr).call("CLUSTER", "SLOTS")
-            except RedisError as e:
-                last = e
-                continue
-            slots: list[tuple[str, int] | None] = [None] * 16384
-            for start, end, primary, *_ in ranges:
-                host = primary[0].decode() or addr[0]
-                for s in range(start, end + 1):
-                    slots[s] = (host, int(primary[1]))
-            self._slots = slots
-            return
+        """Ask every known node at once and take the first map that comes back: a dead or
+        hung node, the seed included, must not hold up the reload. At most ``stall_s``."""
+        asks = {
+            asyncio.ensure_future(self._node(a).call("CLUSTER", "SLOTS")): a
+            for a in dict.fromkeys(self._peers)
+        }
+        last: BaseException = TimeoutError(f"no answer in {self._stall_s:g} s")
+        try:
+            async with asyncio.timeout(self._stall_s):
+                waiting = set(asks)
+                while waiting:
+                    done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                    for ask in done:
+                        if (e := ask.exception()) is None:
+                            self._use_map(ask.result(), asks[ask][0])
+                            return
+                        if not isinstance(e, RedisError):
+                            raise e
+                        last = e
+        except TimeoutError:
+            pass
+        finally:
+            for ask in asks:
+                ask.cancel()
+                ask.add_done_callback(_retrieve)
         raise RedisError(f"no cluster node answered CLUSTER SLOTS: {last}")
+
+    def _use_map(self, ranges: list[Any], asked_host: str) -> None:
+        """Install a ``CLUSTER SLOTS`` answer; a node named without a host is on the
+        host that answered."""
+        slots: list[tuple[str, int] | None] = [None] * 16384
+        peers = [(self._seed.host, self._seed.port)]
+        for start, end, *nodes in ranges:
+            owners = [(n[0].decode() or asked_host, int(n[1])) for n in nodes]
+            slots[start : end + 1] = [owners[0]] * (end + 1 - start)
+            peers += owners
+        self._slots = slots
+        self._peers = list(dict.fromkeys(peers))
+        self._loaded = True
 
     async def close(self) -> None:
         for c in self._nodes.values():
             await c.close()
+
+
+def _noscript(reply: Reply) -> bool:
+    return isinstance(reply, ReplyError) and str(reply).startswith("NOSCRIPT")
 
 
 def _retrieve(fut: asyncio.Future[Any]) -> None:

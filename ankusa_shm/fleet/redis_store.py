@@ -7,9 +7,12 @@ Keys (the tenant in braces is the Redis Cluster hash tag, so one hook's keys sha
                                              "c:<hook id>" committed, expires with the window
 
 Time is the Redis server's (``TIME`` inside the script), so hosts with skewed clocks still
-share one bucket. Scripts run by ``EVALSHA``; a server that lost its script cache (a
-restart, ``SCRIPT FLUSH``) answers ``NOSCRIPT`` and the same call is repeated as ``EVAL``,
-which also reloads the cache.
+share one bucket. Scripts run by ``EVALSHA``: the client loads both on every connection and
+once more if the server loses its cache while connected (see redis_client).
+
+A promote does not need its pending claim to still exist (settle.lua): a hook this host
+stored is ``committed`` in Redis once a promote reaches it, whether its claim expired, was
+never written, or was written late by a call that timed out here and ran after a stall.
 """
 
 from __future__ import annotations
@@ -67,11 +70,18 @@ class RedisStore:
         self._cluster = cluster
 
     @classmethod
-    def from_config(cls, cfg: FleetConfig, password: str = "", stall_s: float = 2.0) -> RedisStore:
-        """Build without connecting: the socket opens on first use, in the caller's process."""
+    def from_config(
+        cls, cfg: FleetConfig, password: str = "", stall_s: float | None = None
+    ) -> RedisStore:
+        """Build without connecting: the socket opens on first use, in the caller's process.
+        ``stall_s`` defaults to the request path's (the drainer passes its own)."""
         ep = parse_url(cfg.redis_url, password=password, tls_ca_file=cfg.tls_ca_file)
+        stall = cfg.admit_stall_s if stall_s is None else stall_s
+        scripts = (ADMIT.source, SETTLE.source)
         client: Client | ClusterClient = (
-            ClusterClient(ep, stall_s=stall_s) if cfg.cluster else Client(ep, stall_s=stall_s)
+            ClusterClient(ep, stall_s=stall, scripts=scripts)
+            if cfg.cluster
+            else Client(ep, stall_s=stall, retry_connect_s=cfg.reconnect_pause_s, scripts=scripts)
         )
         return cls(client, cfg.key_prefix, cfg.cluster)
 
@@ -106,8 +116,10 @@ class RedisStore:
             raise reply
         return int(reply[0]), reply[1] if len(reply) > 1 else 0
 
-    async def settle(self, records: Sequence[Record]) -> int:
-        """Apply promotes and releases in one round trip; how many found their token."""
+    async def settle(self, records: Sequence[Record], now_ms: int) -> tuple[int, int]:
+        """Apply promotes and releases in one round trip: (promotes that wrote or found
+        their hook, releases that found their token). A promote keeps its key for what is
+        left of the hook's dedupe window at ``now_ms`` (at least 1 ms)."""
         groups: dict[bytes, list[Record]] = {}
         for r in records:
             groups.setdefault(self._group(r.key), []).append(r)
@@ -118,13 +130,13 @@ class RedisStore:
                 args: list[Arg] = []
                 for r in chunk:
                     args += (b"p" if r.op == Op.PROMOTE else b"r", r.token.hex(), r.hook_id)
-                    args.append(r.ttl_ms)
+                    args.append(max(1, r.ttl_ms - (now_ms - r.enqueued_ms)))
                 calls.append((tuple(r.key for r in chunk), tuple(args)))
         replies = await self._run(SETTLE, calls)
         errors = [r for r in replies if isinstance(r, ReplyError)]
         if errors:
             raise errors[0]
-        return sum(int(r) for r in replies)
+        return sum(int(r[0]) for r in replies), sum(int(r[1]) for r in replies)
 
     async def reset_tenant(self, tenant: str) -> None:
         key = self.rate_key(tenant)
@@ -145,23 +157,7 @@ class RedisStore:
     async def _run(
         self, script: Script, calls: Sequence[tuple[tuple[bytes, ...], tuple[Arg, ...]]]
     ) -> list[Reply]:
-        """EVALSHA each call in one round trip; repeat any NOSCRIPT ones as EVAL."""
-        sha = script.sha
-        replies = await self.client.send(
-            [(keys[0], ("EVALSHA", sha, len(keys), *keys, *args)) for keys, args in calls]
+        """EVALSHA each call, all in one round trip (per node, on a cluster)."""
+        return await self.client.send(
+            [(keys[0], ("EVALSHA", script.sha, len(keys), *keys, *args)) for keys, args in calls]
         )
-        missing = [i for i, r in enumerate(replies) if _noscript(r)]
-        if missing:
-            again = await self.client.send(
-                [
-                    (keys[0], ("EVAL", script.source, len(keys), *keys, *args))
-                    for keys, args in (calls[i] for i in missing)
-                ]
-            )
-            for i, r in zip(missing, again, strict=True):
-                replies[i] = r
-        return replies
-
-
-def _noscript(reply: Reply) -> bool:
-    return isinstance(reply, ReplyError) and str(reply).startswith("NOSCRIPT")

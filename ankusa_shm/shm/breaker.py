@@ -14,6 +14,20 @@ time it was entered, so two processes can never both believe they won. The windo
 resolution of one bucket (window_ms / 32); a bucket that has counted 65 535 calls stops
 sampling, which keeps the failed share it saw (that is 210 000 calls a second per host
 with the default 10 s window).
+
+Clocks race. A process reads the clock, is preempted, and meanwhile another one swaps the
+state word or starts a new bucket with a later reading; the stored times are kept modulo
+a power of two, so the first process's ``now - since`` is negative, and masked it would
+be huge -- a probe granted at once, a live probe taken over, the newest bucket taken for
+one that left the window. A time older than the one stored is therefore zero elapsed,
+and a bucket newer than ``now`` is in the window.
+
+Opening is judged after every failure, and after a success only while it could matter:
+once calls reach ``min_calls``, a success only lowers the failed share, so what a success
+can do is bring the count up to ``min_calls`` with failures enough already counted. A
+failure that finds exactly that (too few calls, failures enough) sets the re-check word;
+successes scan the window only while it is set. The hot path stays one bucket update and
+one load.
 """
 
 from __future__ import annotations
@@ -22,10 +36,17 @@ import enum
 import os
 from dataclasses import dataclass
 
-from ankusa_shm._atomics import AtomicView
+from ankusa_shm._atomics import BREAKER_FORMAT, AtomicView
 from ankusa_shm.shm import layout as L
 from ankusa_shm.shm.counters import Counter, CounterRow
 from ankusa_shm.shm.pids import pid_alive
+
+_SINCE_HALF = (L.BR_SINCE_MASK + 1) >> 1
+_EPOCH_HALF = (L.BK_EPOCH_MASK + 1) >> 1
+
+_FORMAT = (L.BK_VALID, L.BK_EPOCH_SHIFT, L.BK_EPOCH_MASK, L.BK_FAIL_SHIFT, L.BK_COUNT_MASK)
+if BREAKER_FORMAT != _FORMAT:
+    raise ImportError(f"_atomics breaker format {BREAKER_FORMAT} is not layout.py's {_FORMAT}")
 
 
 class State(enum.IntEnum):
@@ -81,6 +102,7 @@ class Breaker:
     ) -> None:
         self._view = view
         self._state = lay.offset("breaker") + L.BR_STATE
+        self._recheck = lay.offset("breaker") + L.BR_RECHECK_UNTIL_MS
         self._buckets = lay.offset("breaker") + L.BR_BUCKETS
         self._policy = policy
         self._width = max(1, -(-policy.window_ms // L.BREAKER_BUCKETS))
@@ -100,6 +122,8 @@ class Breaker:
         if state == State.CLOSED:
             return CALL
         elapsed = (now_ms - (w & L.BR_SINCE_MASK)) & L.BR_SINCE_MASK
+        if elapsed >= _SINCE_HALF:
+            elapsed = 0  # our clock reading predates the swap that wrote ``since``
         if state == State.OPEN:
             if elapsed < self._policy.open_ms:
                 return DENY
@@ -114,21 +138,30 @@ class Breaker:
         return Permit(call=True, probe=True, word=new)
 
     def record(self, ok: bool, now_ms: int) -> None:
-        """An ordinary (non-probe) call's outcome; a failure may open the breaker."""
+        """An ordinary (non-probe) call's outcome: it may open the breaker."""
         self._bump(now_ms, failed=not ok)
         if ok:
-            return
+            until = self._view.load(self._recheck)
+            if now_ms >= until:
+                return
+        else:
+            until = 0
         w = self._view.load(self._state)
         if w >> L.BR_STATE_SHIFT != State.CLOSED:
             return
         calls, failures = self.window(now_ms)
         p = self._policy
-        if calls >= p.min_calls and failures >= p.failure_rate * calls:
-            self._swap(w, State.OPEN, now_ms)
+        if calls >= p.min_calls:
+            if failures >= p.failure_rate * calls:
+                self._swap(w, State.OPEN, now_ms)
+            elif ok:
+                self._view.cas(self._recheck, until, 0)  # from here successes only dilute
+        elif not ok and failures >= p.failure_rate * p.min_calls:
+            self._view.store(self._recheck, now_ms + p.window_ms)
 
-    def finish_probe(self, permit: Permit, ok: bool, now_ms: int) -> None:
+    def finish_probe(self, permit: Permit, ok: bool, now_ms: int) -> bool:
         """The probe's outcome: close (and forget the window) or open again. A probe that
-        was taken over meanwhile changes nothing."""
+        was taken over meanwhile changes nothing (and gets False)."""
         if not permit.probe:
             raise ValueError("finish_probe needs a probe permit")
         if ok:
@@ -137,27 +170,20 @@ class Breaker:
             # Only while this probe still holds the state: a taken-over one touches nothing.
             if self._view.load(self._state) == permit.word:
                 self.clear_window()
-            self._swap(permit.word, State.CLOSED, now_ms)
-        else:
-            self._swap(permit.word, State.OPEN, now_ms)
+            return self._swap(permit.word, State.CLOSED, now_ms)
+        return self._swap(permit.word, State.OPEN, now_ms)
 
     def window(self, now_ms: int) -> tuple[int, int]:
-        """(calls, failures) in the last ``window_ms``."""
+        """(calls, failures) in the last ``window_ms``: buckets less than a window old, or
+        newer than ``now_ms`` (started by a process whose clock reading came later). Summed
+        in C: every failed call reads the whole window."""
         epoch = (now_ms // self._width) & L.BK_EPOCH_MASK
-        calls = failures = 0
-        for i in range(L.BREAKER_BUCKETS):
-            w = self._view.load(self._buckets + i * L.WORD)
-            if not w & L.BK_VALID:
-                continue
-            age = (epoch - (w >> L.BK_EPOCH_SHIFT)) & L.BK_EPOCH_MASK
-            if age < L.BREAKER_BUCKETS:
-                calls += w & L.BK_COUNT_MASK
-                failures += (w >> L.BK_FAIL_SHIFT) & L.BK_COUNT_MASK
-        return calls, failures
+        return self._view.breaker_window(self._buckets, L.BREAKER_BUCKETS, epoch)
 
     def clear_window(self) -> None:
         for i in range(L.BREAKER_BUCKETS):
             self._view.store(self._buckets + i * L.WORD, 0)
+        self._view.store(self._recheck, 0)
 
     def _bump(self, now_ms: int, failed: bool) -> None:
         epoch_full = now_ms // self._width
@@ -166,10 +192,13 @@ class Breaker:
         fresh = L.BK_VALID | (epoch << L.BK_EPOCH_SHIFT) | (failed << L.BK_FAIL_SHIFT) | 1
         while True:
             w = self._view.load(off)
-            if w & L.BK_VALID and (w >> L.BK_EPOCH_SHIFT) & L.BK_EPOCH_MASK == epoch:
+            seen = (w >> L.BK_EPOCH_SHIFT) & L.BK_EPOCH_MASK
+            if w & L.BK_VALID and seen == epoch:
                 if w & L.BK_COUNT_MASK == L.BK_COUNT_MASK:
                     return  # a full bucket stops sampling; the share it saw stands
                 new = w + 1 + (failed << L.BK_FAIL_SHIFT)
+            elif w & L.BK_VALID and (seen - epoch) & L.BK_EPOCH_MASK < _EPOCH_HALF:
+                return  # a whole window newer than our clock reading: ours is long gone
             else:
                 new = fresh
             if self._view.cas(off, w, new):

@@ -1,20 +1,20 @@
-"""Every counter, declared once, and the per-process rows that count them.
+"""Every counter, declared once, and the per-slot rows that count them.
 
-Each process adds to its own row (one row per process slot, padded so no two writers share
-a cache line); readers sum the rows and the archive. When a slot is claimed again after
-its process has gone, its row is folded into the archive first, so no total ever goes
-backwards across restarts. ``inspect``, ``/metrics`` and the docs render from ``Counter``.
+Each process adds to the row of the process slot it holds (padded so no two writers share
+a cache line); a total is the sum of the rows. A row belongs to its slot, not to the
+process: it is never zeroed or moved, and the next holder of the slot keeps adding to it.
+So there is nothing to fold when a process dies and nothing a death can leave half-done:
+a total is exact at every instant and never goes backwards across restarts. What one
+process counted itself is its row less the baseline recorded when it claimed the slot
+(``procs``). ``inspect``, ``/metrics`` and the docs render from ``Counter``.
 """
 
 from __future__ import annotations
 
 import enum
-import os
-import time
 
 from ankusa_shm._atomics import AtomicView
 from ankusa_shm.shm import layout as L
-from ankusa_shm.shm.pids import pid_alive
 
 
 class Counter(enum.Enum):
@@ -92,7 +92,7 @@ def family_help(family: str) -> str:
 
 
 class CounterRow:
-    """This process's row; ``add`` is one fetch-add on a line no other process writes."""
+    """A slot's row; ``add`` is one fetch-add on a line no other live process writes."""
 
     def __init__(self, view: AtomicView, lay: L.Layout, slot: int) -> None:
         if not 0 <= slot < lay.params.process_slots:
@@ -107,49 +107,14 @@ class CounterRow:
         return self._view.load(self._base + counter.offset)
 
 
-def fold(view: AtomicView, lay: L.Layout, slot: int) -> None:
-    """Move a gone process's row into the archive (before its slot is reused).
-
-    Adds before it zeroes: a folder that dies midway over-counts one counter once rather
-    than letting a total go backwards. One fold runs at a time; a dead folder's turn is
-    taken over.
-    """
-    fold_word = lay.offset("archive") + L.AR_FOLD
-    me = os.getpid()
-    while True:
-        w = view.load(fold_word)
-        holder = w & L.PID_MASK
-        if holder and holder != me and pid_alive(holder):
-            time.sleep(0.0005)
-            continue
-        if view.cas(fold_word, w, (w & ~L.PID_MASK) | me):
-            break
-    row = lay.offset("counters") + slot * lay.counter_row
-    totals = lay.offset("archive") + L.AR_TOTALS
-    for c in Counter:
-        v = view.load(row + c.offset)
-        if v:
-            view.add(totals + c.offset, v)
-            view.store(row + c.offset, 0)
-    w = view.load(fold_word)
-    view.store(fold_word, ((w >> L.PID_BITS) + 1) << L.PID_BITS)
-
-
-def totals(view: AtomicView, lay: L.Layout, patience_s: float = 0.2) -> dict[Counter, int]:
-    """Archive plus every row, summed again if a fold ran meanwhile."""
-    fold_word = lay.offset("archive") + L.AR_FOLD
-    deadline = time.monotonic() + patience_s
-    while True:
-        before = view.load(fold_word)
-        out = {c: view.load(lay.offset("archive") + L.AR_TOTALS + c.offset) for c in Counter}
-        base = lay.offset("counters")
-        for slot in range(lay.params.process_slots):
-            row = base + slot * lay.counter_row
-            for c in Counter:
-                v = view.load(row + c.offset)
-                if v:
-                    out[c] += v
-        stable = (before & L.PID_MASK) == 0 and view.load(fold_word) == before
-        if stable or time.monotonic() > deadline:
-            return out
-        time.sleep(0.001)
+def totals(view: AtomicView, lay: L.Layout) -> dict[Counter, int]:
+    """Every row summed. Rows only grow, so a later sum is never below an earlier one."""
+    out = dict.fromkeys(Counter, 0)
+    base = lay.offset("counters")
+    for slot in range(lay.params.process_slots):
+        row = base + slot * lay.counter_row
+        for c in Counter:
+            v = view.load(row + c.offset)
+            if v:
+                out[c] += v
+    return out

@@ -13,15 +13,16 @@ line prefetcher never makes two regions or two writers share a line):
                  length word, bytes); written by the supervisor only
     breaker      one packed state word; 32 time buckets of the sliding call window
     degraded     per kind (rate_limit, dedupe): a flag word and a last-warned word
-    archive      the fold word, then one total per counter for processes that have gone
-    processes    one 128-byte slot per process: header word, start time, heartbeat
+    processes    one 128-byte slot per process: header word, start time, heartbeat,
+                 the slot's request count when it was claimed
     counters     one padded row of counters per process slot, summed on read
     queue        settle queue: enqueue and dequeue positions on lines of their own,
-                 the consumer's pid, then fixed-size slots (sequence word + record)
+                 the consumer's pid and identity, then fixed-size slots (sequence word +
+                 record)
     gcra         node-scope rate limits: per tenant a key word and a tagged TAT word
 
 Who writes what. The supervisor writes the header and config. Any process that claims a
-process slot writes that slot and its counter row (fetch-add), the breaker, the degraded
+process slot writes that slot and adds to its counter row, the breaker, the degraded
 flags, the GCRA table and the queue's enqueue side. Only the drainer (the queue's single
 consumer, named by its pid) advances the dequeue side. Readers write nothing.
 
@@ -34,16 +35,27 @@ word sees the bytes.
 How a reader knows a slot is whole -- two words are not one:
 
 * breaker: state, owner pid and since-time are packed in one word; window buckets pack
-  epoch, failures and calls in one word. No breaker fact spans two words.
-* process slot: the header word (role, state, pid) is written last by a claimer; a reader
-  takes a slot as whole when the header word reads the same before and after the rest.
+  epoch, failures and calls in one word. No breaker fact spans two words (the re-check
+  word beside the state is a hint: a stale read costs one window scan, or one missed).
+* process slot: the header word (pid, state, role and the holder's start time) is written
+  last by a claimer; a reader takes a slot as whole when the header word reads the same
+  before and after the rest.
 * GCRA slot: the key word holds the tenant's hash; the TAT word carries a 14-bit tag of
   that hash beside the time. A TAT word whose tag is not the key's tag belongs to a slot
   being (re)assigned and means a fresh bucket; a stale compare-and-swap from a process
   that still believes in the old tenant fails because the tag changed.
 * queue slot: the record is whole once its sequence word says "published" (Vyukov).
-* counters: the fold word changes around every fold of a dead process's row into the
-  archive; a reader sums again if it changed while summing.
+* counters: a row belongs to its process slot, not to a process. It is only ever added
+  to -- never folded elsewhere, never zeroed -- and keeps counting across the processes
+  that hold the slot in turn, so a total (the sum of the rows) is exact whatever instant a
+  process dies at, and never goes backwards. What one process counted is its row now less
+  the baseline its claim recorded in the slot (``PS_REQUESTS_BASE``).
+
+Processes are named by pid *and* start time (``/proc/<pid>/stat`` field 22, clock ticks
+since boot, kept modulo 2**START_BITS): pids are reused, and a process is alive only while
+a live, non-zombie process of that pid started at that time (``pids.pid_alive``). The
+breaker's state word has no room for a start time; a zombie or dead probe owner is still
+noticed, and a reused one lasts no longer than the probe timeout.
 
 Times are monotonic (CLOCK_MONOTONIC is one clock for every process on a host) in ms,
 or in microseconds for GCRA; wall-clock nanoseconds appear only in the header and in
@@ -56,11 +68,13 @@ import struct
 from dataclasses import dataclass, fields
 
 MAGIC = int.from_bytes(b"ANKUSHM\x01", "little")
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 LINE = 128
 WORD = 8
 PID_BITS = 22  # Linux's pid_max is at most 2**22
 PID_MASK = (1 << PID_BITS) - 1
+START_BITS = 35  # process start time, clock ticks mod 2**35: 10 years of uptime at 100 Hz
+START_MASK = (1 << START_BITS) - 1
 
 # -- header: word offsets ---------------------------------------------------------------
 HEADER_BYTES = 4096
@@ -71,10 +85,11 @@ H_READY = 24
 H_OWNER_PID = 32
 H_OWNER_BIRTH_NS = 40  # wall clock, ns: with the pid it tells one supervisor from the next
 H_CREATED_NS = 48  # wall clock, ns, when the segment itself was created
+H_OWNER_START = 56  # the owner's start ticks: with H_OWNER_PID, who the owner is
 H_PARAMS = 64  # the Params fields, one word each, in declaration order
 H_REGIONS = 256  # (offset, size) word pairs, one per region in REGIONS order
 
-REGIONS = ("config", "breaker", "degraded", "archive", "processes", "counters", "queue", "gcra")
+REGIONS = ("config", "breaker", "degraded", "processes", "counters", "queue", "gcra")
 
 # -- config snapshot ----------------------------------------------------------------------
 CONFIG_BYTES = 16384
@@ -85,6 +100,9 @@ CF_DATA = 16
 # -- breaker --------------------------------------------------------------------------------
 BREAKER_BUCKETS = 32
 BR_STATE = 0
+# Monotonic ms until which a success re-checks the failure rate (0: it need not): set when
+# a failure finds too few calls to judge but failures enough that more calls could open.
+BR_RECHECK_UNTIL_MS = 8
 BR_BUCKETS = LINE  # BREAKER_BUCKETS words
 # State word: state (2 bits) | owner pid (22 bits) | since, monotonic ms (39 bits).
 BR_STATE_SHIFT = 61
@@ -102,31 +120,57 @@ KINDS = ("rate_limit", "dedupe")
 DG_FLAG = 0  # within each kind's line
 DG_WARNED_MS = 8  # monotonic ms of the last warning, 0 = never
 
-# -- counter archive ------------------------------------------------------------------------
-AR_FOLD = 0  # version << PID_BITS | pid of the process folding now (0 = none)
-AR_TOTALS = LINE
-
 # -- process slots --------------------------------------------------------------------------
 PROCESS_SLOT_BYTES = LINE
-PS_HEADER = 0  # role << 40 | state << 32 | pid
+# Header word: start ticks (START_BITS) << 28 | role (4 bits) << 24 | state (2 bits) << 22
+# | pid (PID_BITS). One word, so a reader never sees one process's pid with another's start.
+PS_HEADER = 0
+PS_STATE_SHIFT = PID_BITS
+PS_ROLE_SHIFT = 24
+PS_START_SHIFT = 28
 PS_STARTED_NS = 8  # wall clock
 PS_HEARTBEAT_MS = 16  # monotonic
 PS_CLAIMS = 24  # how many times this slot was claimed (a new process => a new value)
+PS_REQUESTS_BASE = 32  # the row's REQUESTS when this holder claimed the slot
 
 # -- settle queue ---------------------------------------------------------------------------
 Q_ENQUEUE = 0
 Q_DEQUEUE = LINE
-Q_CONSUMER = LINE + 8  # pid of the one consumer
+Q_CONSUMER = LINE + 8  # pid of the one consumer, for readers
+# The consumer's identity, start ticks << PID_BITS | pid: the word the role is taken by
+# (compare-and-swap), so the pid and the start time it is judged by are one word.
+Q_CONSUMER_ID = LINE + 16
 Q_SLOTS = 2 * LINE
-QUEUE_SLOT_BYTES = 512
 QS_SEQ = 0
 QS_RECORD = 8
 # A reserved slot's sequence word with this bit set: its producer is copying the record.
 QS_WRITING = 1 << 62
+# With this bit: the consumer gave the slot up (its producer never published), and frees
+# it once the dequeue position is past it.
+QS_ABANDONED = 1 << 61
 # Record: op, hook-id length, key length, dedupe ttl ms, claimed-at ms, enqueued-at ms,
 # token; then the Redis key and the hook id bytes.
 RECORD = struct.Struct("<BBH4xqqq16s")
-RECORD_MAX_PAYLOAD = QUEUE_SLOT_BYTES - QS_RECORD - RECORD.size
+
+# The largest record a valid config and a valid hook make, declared once: config checks
+# names against MAX_NAME, the fleet store hashes a longer event key to "sha256:<hex>"
+# (71 bytes), and the slot below is sized to hold the largest record these allow.
+MAX_NAME = 64  # key prefix, tenant and source id
+MAX_EVENT_KEY = 200
+MAX_HOOK_ID = 64
+
+
+def dedupe_key(prefix: str, tenant: str, source: str, event_key: bytes) -> bytes:
+    """The fleet key of one event's claim. The tenant in braces is the Redis Cluster hash
+    tag: all of a tenant's keys live in one slot."""
+    return f"{prefix}:{{{tenant}}}:dd:{source}:".encode() + event_key
+
+
+_LONGEST = "n" * MAX_NAME
+MAX_DEDUPE_KEY = len(dedupe_key(_LONGEST, _LONGEST, _LONGEST, bytes(MAX_EVENT_KEY)))
+# Whole lines, so that producers writing neighbouring slots never share a line pair.
+QUEUE_SLOT_BYTES = -(-(QS_RECORD + RECORD.size + MAX_DEDUPE_KEY + MAX_HOOK_ID) // LINE) * LINE
+RECORD_MAX_PAYLOAD = QUEUE_SLOT_BYTES - QS_RECORD - RECORD.size  # key + hook id, at most
 
 # -- GCRA table -----------------------------------------------------------------------------
 GCRA_SLOT_BYTES = 16
@@ -152,6 +196,10 @@ class Params:
             v = getattr(self, f.name)
             if not isinstance(v, int) or v < 1 or v > 1 << 32:
                 raise ValueError(f"segment parameter {f.name}={v!r} is out of range")
+        if self.queue_capacity < 2:
+            # With one slot, "published" (pos + 1) and "free on the next lap" (pos +
+            # capacity) are one sequence number: every push would overwrite unread records.
+            raise ValueError(f"segment parameter queue_capacity={self.queue_capacity} is below 2")
 
 
 def _up(n: int, to: int = LINE) -> int:
@@ -175,7 +223,6 @@ class Layout:
             "config": CONFIG_BYTES,
             "breaker": BR_BUCKETS + BREAKER_BUCKETS * WORD,
             "degraded": len(KINDS) * LINE,
-            "archive": AR_TOTALS + counter_row,
             "processes": params.process_slots * PROCESS_SLOT_BYTES,
             "counters": params.process_slots * counter_row,
             "queue": Q_SLOTS + params.queue_capacity * QUEUE_SLOT_BYTES,

@@ -20,7 +20,7 @@ import posix_ipc
 from ankusa_shm._atomics import AtomicView
 from ankusa_shm.shm import layout as L
 from ankusa_shm.shm.counters import Counter
-from ankusa_shm.shm.pids import pid_alive
+from ankusa_shm.shm.pids import my_start, pid_alive
 from ankusa_shm.shm.settle_queue import SettleQueue
 
 log = logging.getLogger("ankusa_shm.segment")
@@ -83,6 +83,7 @@ class Header:
     total_size: int
     ready: bool
     owner_pid: int
+    owner_start: int  # start ticks: with the pid, which process the owner is
     owner_birth_ns: int
     created_ns: int
     params: L.Params
@@ -180,7 +181,8 @@ class Segment:
             unlink(path)
             return cls.create(path, params)
         hdr = seg.header()
-        if hdr.owner_pid != os.getpid() and pid_alive(hdr.owner_pid):
+        # The owner's pid may since have gone to another process: judge it by its start time.
+        if hdr.owner_pid != os.getpid() and pid_alive(hdr.owner_pid, hdr.owner_start):
             seg.close()
             raise SegmentInUse(f"segment {path} is owned by live process {hdr.owner_pid}")
         if hdr.params != params:
@@ -228,6 +230,7 @@ class Segment:
             total_size=v.load(L.H_TOTAL_SIZE),
             ready=v.load(L.H_READY) == 1,
             owner_pid=v.load(L.H_OWNER_PID),
+            owner_start=v.load(L.H_OWNER_START),
             owner_birth_ns=v.load(L.H_OWNER_BIRTH_NS),
             created_ns=v.load(L.H_CREATED_NS),
             params=_read_params(v),
@@ -284,6 +287,7 @@ class Segment:
 
     def _take_ownership(self, birth_ns: int | None = None) -> None:
         v = self.view
+        v.store(L.H_OWNER_START, my_start() & L.START_MASK)
         v.store(L.H_OWNER_PID, os.getpid())
         v.store(L.H_OWNER_BIRTH_NS, birth_ns or time.time_ns())
         v.store(L.H_READY, 1)

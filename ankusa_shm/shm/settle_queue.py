@@ -1,20 +1,23 @@
 """The settle queue: a bounded multi-producer, single-consumer ring in the segment.
 
-Vyukov's bounded queue with per-slot sequence numbers, using any capacity (positions are
-64-bit and never wrap; a slot is ``pos % capacity``). For the slot of position ``pos``
-the sequence word reads:
+Vyukov's bounded queue with per-slot sequence numbers, using any capacity of two or more
+(positions are 64-bit and never wrap; a slot is ``pos % capacity``; with one slot the
+last two lines below would be one number). For the slot of position ``pos`` the sequence
+word reads:
 
-    pos                free for the producer of ``pos`` (or reserved, not yet written)
-    pos | QS_WRITING   its producer is copying the record in
-    pos + 1            published: the consumer may read it
-    pos + capacity     consumed: free for the producer of the next lap
+    pos                  free for the producer of ``pos`` (or reserved, not yet written)
+    pos | QS_WRITING     its producer is copying the record in
+    pos + 1              published: the consumer may read it
+    pos | QS_ABANDONED   given up on by the consumer: its producer never published
+    pos + capacity       consumed: free for the producer of the next lap
 
 A producer reserves ``pos`` by compare-and-swap on the enqueue position, marks the slot
 writing, copies the record and publishes -- the last two steps by compare-and-swap too,
 so a producer that stalled past the grace period finds its slot taken and reports it.
 A producer killed between reserving and publishing leaves the consumer at a slot that
-never fills; after ``grace_ms`` the consumer takes the slot back itself and counts it as
-abandoned, so a dead worker cannot wedge the queue. (One case stays open: a producer
+never fills; after ``grace_ms`` the consumer marks the slot abandoned (its producer's
+compare-and-swaps fail from then on), moves past it and counts it, so a dead worker cannot
+wedge the queue. (One case stays open: a producer
 frozen -- SIGSTOP, not death -- in the middle of its copy for longer than the grace period,
 whose slot the ring then reuses a whole lap later, can resume and overwrite that newer
 record before it is read. DESIGN.md has the supervisor kill a worker whose heartbeat goes
@@ -22,7 +25,20 @@ stale -- not built yet -- which would end such a freeze long before a lap comes 
 
 The consumer reads a batch without freeing it (``peek``) and frees it only once its
 operations are delivered (``commit``): a consumer killed in between loses nothing, and
-the next one starts from the same place.
+the next one starts from the same place (delivering that batch again).
+
+A consumer killed at any instruction of ``commit`` loses nothing either. The dequeue
+position moves first and the slots are freed after it, in position order, so the ring
+lends a slot to the next lap only once the head is past it: depth (enqueue less dequeue
+position) never exceeds the capacity. A consumer killed between the two leaves a run of
+slots just behind the head still reading "published" (or "abandoned"); no producer can
+take them, so the ring is only smaller until the next consumer's first ``peek``, which
+looks at the slot behind the head (one load, every time) and frees that run back to its
+first freed slot. Giving up on a slot goes the same way -- mark it, move the head, free
+it -- and a consumer that finds a marked slot at the head finishes the job at once, with
+no grace period. A slot is counted as abandoned by the consumer that moves the head past
+it, in ``peek``'s answer; the one count that can still be lost is that of a consumer
+killed between moving the head and its caller adding the count up.
 """
 
 from __future__ import annotations
@@ -34,12 +50,15 @@ from typing import NamedTuple
 
 from ankusa_shm._atomics import AtomicView
 from ankusa_shm.shm import layout as L
+from ankusa_shm.shm import pids
 from ankusa_shm.shm.pids import pid_alive
 
 ABANDON_GRACE_MS = 2_000
 
-# Test-only pause point between reserving a slot and publishing it.
+# Test-only pause points: between reserving a slot and publishing it; and in ``commit``,
+# after the head has moved, before each slot (its position given) is freed.
 _pause_after_reserve: Callable[[], None] | None = None
+_pause_in_commit: Callable[[int], None] | None = None
 
 
 class Op(enum.IntEnum):
@@ -51,6 +70,7 @@ _OPS = {op.value: op for op in Op}
 _pack = L.RECORD.pack
 _unpack = L.RECORD.unpack_from
 _HEAD = L.RECORD.size
+_BASE = ~(L.QS_WRITING | L.QS_ABANDONED)  # a sequence word's position, without its flags
 
 
 class Pushed(enum.Enum):
@@ -124,19 +144,14 @@ class SettleQueue:
         while True:
             cell = self._slots + (pos % cap) * L.QUEUE_SLOT_BYTES
             seq = v.load(cell)
-            if seq & L.QS_WRITING:
-                if seq & ~L.QS_WRITING < pos:
-                    return Pushed.FULL  # last lap's producer is still writing this slot
-                pos = v.load(self._enq)  # another producer took ``pos`` meanwhile
-                continue
             if seq == pos:
                 if v.cas(self._enq, pos, pos + 1):
                     break
                 pos = v.load(self._enq)
-            elif seq < pos:
-                return Pushed.FULL
+            elif (seq & _BASE) < pos:
+                return Pushed.FULL  # last lap's record: unread, being written, or given up on
             else:
-                pos = v.load(self._enq)
+                pos = v.load(self._enq)  # another producer took ``pos`` meanwhile
         if _pause_after_reserve is not None:
             _pause_after_reserve()
         if not v.cas(cell, pos, pos | L.QS_WRITING):
@@ -157,26 +172,39 @@ class SettleQueue:
         return self._view.load(self._consumer)
 
     def become_consumer(self) -> None:
-        """Take the consumer role, unless a live process holds it."""
+        """Take the consumer role, unless a live process holds it.
+
+        The role is held by the identity word (start ticks and pid, one word), so a holder
+        whose pid has gone to another process is seen to be gone, and no one judges a
+        holder by a start time that is not yet its own. The pid word is for readers.
+        """
         me = os.getpid()
-        while True:
-            holder = self._view.load(self._consumer)
-            if holder == me:
-                return
-            if holder and pid_alive(holder):
+        ident_word = self._consumer + (L.Q_CONSUMER_ID - L.Q_CONSUMER)
+        mine = (pids.my_start() & L.START_MASK) << L.PID_BITS | me
+        for _ in range(1000):  # each lost race means another process took or gave it up
+            ident = self._view.load(ident_word)
+            holder = ident & L.PID_MASK
+            if ident != mine and pid_alive(holder, ident >> L.PID_BITS):
                 raise ConsumerTaken(f"settle queue already drained by live pid {holder}")
-            if self._view.cas(self._consumer, holder, me):
-                self._stuck = None
+            if ident == mine or self._view.cas(ident_word, ident, mine):
+                self._view.store(self._consumer, me)
+                if ident != mine:
+                    self._stuck = None
                 return
+        raise ConsumerTaken("the settle queue's consumer role keeps changing hands")
 
     def resign_consumer(self) -> None:
-        self._view.cas(self._consumer, os.getpid(), 0)
+        ident_word = self._consumer + (L.Q_CONSUMER_ID - L.Q_CONSUMER)
+        mine = (pids.my_start() & L.START_MASK) << L.PID_BITS | os.getpid()
+        if self._view.cas(ident_word, mine, 0):
+            self._view.cas(self._consumer, os.getpid(), 0)
 
     def peek(self, max_records: int, now_ms: int) -> tuple[Batch, int]:
         """Up to ``max_records`` published records from the head, not yet freed; and how
         many abandoned slots were skipped at the head on the way."""
         v, cap = self._view, self.capacity
         start = pos = v.load(self._deq)
+        self._free_behind(pos)
         records: list[Record] = []
         skipped = 0
         while len(records) < max_records:
@@ -188,29 +216,49 @@ class SettleQueue:
                 continue
             if records or (seq == pos and v.load(self._enq) <= pos):
                 break  # end of what is published, or the ring is empty
-            if not self._abandon(cell, pos, seq, now_ms):
+            # A slot marked by a consumer killed before it moved on needs no grace period.
+            if seq != pos | L.QS_ABANDONED and not self._abandon(cell, pos, seq, now_ms):
                 break
+            v.store(self._deq, pos + 1)  # the head first, then the slot: as in commit
+            v.store(cell, pos + cap)
             skipped += 1
             pos += 1
             start = pos
-            v.store(self._deq, pos)
         return Batch(records, start, pos), skipped
 
     def commit(self, batch: Batch) -> None:
-        """Free a peeked batch's slots for the next lap and move the head past them."""
+        """Move the head past a peeked batch, then free its slots for the next lap."""
         v, cap = self._view, self.capacity
-        for pos in range(batch.start, batch.end):
-            v.store(self._slots + (pos % cap) * L.QUEUE_SLOT_BYTES, pos + cap)
         v.store(self._deq, batch.end)
+        pause = _pause_in_commit
+        for pos in range(batch.start, batch.end):
+            if pause is not None:
+                pause(pos)
+            v.store(self._slots + (pos % cap) * L.QUEUE_SLOT_BYTES, pos + cap)
+
+    def _free_behind(self, head: int) -> None:
+        """Free the slots a consumer killed inside ``commit`` (or while giving a slot up)
+        left behind the head: the run just behind it that still reads published or
+        abandoned. Frees go in position order, so that run ends at the head."""
+        v, cap = self._view, self.capacity
+        first = head
+        while first > max(0, head - cap):
+            seq = v.load(self._slots + ((first - 1) % cap) * L.QUEUE_SLOT_BYTES)
+            if seq != first and seq != (first - 1) | L.QS_ABANDONED:
+                break
+            first -= 1
+        for pos in range(first, head):
+            v.store(self._slots + (pos % cap) * L.QUEUE_SLOT_BYTES, pos + cap)
 
     def _abandon(self, cell: int, pos: int, seq: int, now_ms: int) -> bool:
-        """Skip the head slot if it has been reserved-but-unpublished for the grace period."""
+        """Mark the head slot abandoned if it has been reserved-but-unpublished for the
+        grace period; from then on its producer's compare-and-swaps fail."""
         if self._stuck is None or self._stuck[0] != pos:
             self._stuck = (pos, now_ms)
             return False
         if now_ms - self._stuck[1] < self._grace_ms:
             return False
-        if not self._view.cas(cell, seq, pos + self.capacity):
+        if not self._view.cas(cell, seq, pos | L.QS_ABANDONED):
             return False  # its producer moved on after all; read it next time
         self._stuck = None
         return True

@@ -10,13 +10,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from ankusa_shm._atomics import AtomicView
 from ankusa_shm.shm import breaker, counters, procs
 from ankusa_shm.shm import layout as L
 from ankusa_shm.shm.counters import Counter
 from ankusa_shm.shm.degraded import Degraded
 from ankusa_shm.shm.gcra import GcraTable
 from ankusa_shm.shm.pids import pid_alive
-from ankusa_shm.shm.segment import Header, Segment
+from ankusa_shm.shm.segment import CorruptSegment, Header, Segment
 from ankusa_shm.shm.settle_queue import SettleQueue
 
 DEFAULT_WINDOW_MS = 10_000
@@ -104,11 +105,13 @@ def take(seg: Segment) -> Snapshot:
     limiter = GcraTable(v, lay)
     used, filling = limiter.usage(now_ns // 1000)
     degraded = Degraded(v, lay)
+    processes = procs.read(v, lay)
+    _check_identities(seg.name, hdr.owner_pid, queue.consumer_pid(), processes)
     return Snapshot(
         name=seg.name,
         taken_ms=now,
         header=hdr,
-        owner_alive=pid_alive(hdr.owner_pid),
+        owner_alive=pid_alive(hdr.owner_pid, hdr.owner_start),
         config=config,
         breaker=BreakerView(state.name.lower(), owner, since, window_ms, calls, failures),
         degraded={k: degraded.is_set(k) for k in L.KINDS},
@@ -116,12 +119,33 @@ def take(seg: Segment) -> Snapshot:
         queue_depth=queue.depth(),
         queue_capacity=queue.capacity,
         consumer_pid=queue.consumer_pid(),
-        consumer_alive=pid_alive(queue.consumer_pid()),
-        processes=procs.read(v, lay),
+        consumer_alive=_consumer_alive(v, lay, queue.consumer_pid()),
+        processes=processes,
         limiter_slots=limiter.slots,
         limiter_used=used,
         limiter_filling=filling,
     )
+
+
+def _check_identities(
+    name: str, owner: int, consumer: int, processes: list[procs.ProcessInfo]
+) -> None:
+    """Words no writer can produce -- a pid out of any pid's range, a slot whose role
+    names no role -- mean the segment is corrupt; a reader says so instead of guessing."""
+    if not 0 < owner <= L.PID_MASK:
+        raise CorruptSegment(f"segment {name} is corrupt: owner pid word {owner} is no pid")
+    if not 0 <= consumer <= L.PID_MASK:
+        raise CorruptSegment(f"segment {name} is corrupt: queue consumer word {consumer} is no pid")
+    for p in processes:
+        if p.role == "?":
+            raise CorruptSegment(f"segment {name} is corrupt: process slot {p.slot} names no role")
+
+
+def _consumer_alive(v: AtomicView, lay: L.Layout, pid: int) -> bool:
+    """The consumer is judged by its identity word (pid and start ticks), as the queue's
+    ``become_consumer`` judges it, so a pid since reused is not running."""
+    ident = v.load(lay.offset("queue") + L.Q_CONSUMER_ID)
+    return ident & L.PID_MASK == pid and pid_alive(pid, ident >> L.PID_BITS)
 
 
 def figures(s: Snapshot) -> list[Figure]:

@@ -1,0 +1,79 @@
+"""The producer side of settling: what a claim is, and how the outcome of a hook's commit
+becomes one record on the settle queue.
+
+A claim is *pending* in Redis until the hook it guards is durable. Settling it never waits
+on Redis: ``Settler`` pushes a promote (the hook is stored, under this id) or a release
+(nothing was stored) onto the ring in the segment and returns; the drainer delivers it.
+A full ring is a counted drop, never a wait: a dropped promote leaves a pending key that
+expires (a possible duplicate later), a dropped release leaves the key pending until its
+TTL (senders get 409 and retry). Neither loses a hook.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ankusa_shm.clock import Clock
+from ankusa_shm.hooks import AlreadyStored, CommitResult, Committed
+from ankusa_shm.shm.counters import Counter, CounterRow
+from ankusa_shm.shm.settle_queue import Op, Pushed, Record, RecordTooLarge, SettleQueue
+
+log = logging.getLogger("ankusa_shm.fleet")
+
+UNKNOWN = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A dedupe key this host may hold as pending, and the token that proves it.
+
+    ``claimed_ms`` is the latest moment (this host's monotonic ms) at which the store can
+    have written the claim: when its call was answered. A call that timed out or failed
+    may still run on the server after any stall, so its claim's moment is ``UNKNOWN`` and
+    its release is never taken for expired."""
+
+    key: bytes
+    token: bytes
+    ttl_ms: int  # the source's dedupe window: how long a promoted key lives
+    claimed_ms: int = UNKNOWN
+
+
+class Settler:
+    """Turns claims and commit results into queued promotes and releases."""
+
+    def __init__(self, queue: SettleQueue, row: CounterRow, clock: Clock) -> None:
+        self._queue = queue
+        self._row = row
+        self._clock = clock
+
+    def settle(self, claim: Claim | None, result: CommitResult) -> None:
+        """Durable (committed now, or known to this host's index) promotes the claim under
+        that hook id; anything else releases it."""
+        if claim is None:
+            return
+        if isinstance(result, Committed | AlreadyStored):
+            self.promote(claim, result.hook_id)
+        else:
+            self.release(claim)
+
+    def promote(self, claim: Claim | None, hook_id: str) -> None:
+        if claim is not None:
+            self._push(Op.PROMOTE, claim, hook_id.encode())
+
+    def release(self, claim: Claim | None) -> None:
+        if claim is not None:
+            self._push(Op.RELEASE, claim, b"")
+
+    def _push(self, op: Op, claim: Claim, hook_id: bytes) -> None:
+        now_ms = self._clock() // 1_000_000
+        rec = Record(op, claim.key, claim.token, hook_id, claim.ttl_ms, claim.claimed_ms, now_ms)
+        try:
+            pushed = self._queue.push(rec)
+        except RecordTooLarge as e:  # the config's limits forbid it; a bug if seen
+            log.error("settle operation dropped: %s", e)
+            pushed = Pushed.FULL
+        if pushed is Pushed.OK:
+            self._row.add(Counter.SETTLE_ENQUEUED)
+        elif pushed is Pushed.FULL:
+            self._row.add(Counter.SETTLE_DROPPED)
