@@ -161,6 +161,14 @@ class Fleet:
     # computed here, from the settings it follows, and nowhere else.
 
     @property
+    def call_deadline_s(self) -> float:
+        """How long admission waits for the store's answer. ``timeout_ms`` bounds the whole
+        admit, and a call given up on must still be answered node-local, for its hook and
+        for every call that gave up in the same instant: a tenth of the budget, at most
+        2 ms, is kept back for that."""
+        return (self.timeout_ms - min(2.0, self.timeout_ms / 10)) / 1000
+
+    @property
     def probe_timeout_ms(self) -> int:
         """A breaker probe still unfinished after this is taken over by the next caller.
         Its call is bounded by the budget; twice that plus 100 ms leaves room for a busy

@@ -363,7 +363,6 @@ def _stall_run(
             during += [x * 1000 for t, x in zip(starts, lat, strict=True) if t_stop <= t < t_cont]
             refused += ref
         during.sort()
-        print("SEEN", [(round(t - t_stop, 2), st) for t, st in seen])
         opened = next((t for t, st in seen if st == 1 and t >= t_stop), None)
         closed = next((t for t, st in seen if st == 0 and t >= t_cont), None)
         totals = counters.totals(seg.view, seg.layout)

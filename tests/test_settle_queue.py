@@ -1,7 +1,8 @@
 """The settle queue: a bounded MPSC ring in the segment that no dead process can wedge.
 
 Producers and the consumer are real forked processes where it matters. Time for the
-abandonment grace period is injected (``now_ms``), so nothing waits on a real clock.
+abandonment grace period is injected (``now_ms``), so nothing waits on a real clock --
+except in the kill loops (``kill_loop.py``), whose consumers run as the drainer does.
 """
 
 from __future__ import annotations

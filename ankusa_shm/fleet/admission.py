@@ -93,6 +93,7 @@ class Fleet:
         self._limits = cfg.rate_limits
         f = cfg.fleet
         self._budget_s = f.timeout_ms / 1000
+        self._deadline_s = f.call_deadline_s
         self._pending_ttl_ms = f.pending_ttl_ms
         self._clock = clock
         self._row = slot.counters
@@ -189,7 +190,7 @@ class Fleet:
         assert self._store is not None
         now_ms = now // 1_000_000
         try:
-            async with asyncio.timeout(self._budget_s):
+            async with asyncio.timeout(self._deadline_s):
                 verdict, value = await self._store.admit(
                     tenant,
                     limit if self._rate_fleet else None,

@@ -32,9 +32,9 @@ from ankusa_shm.fleet.redis_client import (
     parse_url,
 )
 from ankusa_shm.limits import Limit
+from ankusa_shm.shm import layout as L
 from ankusa_shm.shm.settle_queue import Op, Record
 
-MAX_EVENT_KEY = 200
 SETTLE_OPS_PER_CALL = 500  # bounds how long one script holds the server
 
 
@@ -58,7 +58,7 @@ ADMITTED, DUPLICATE, PENDING, LIMITED = 0, 1, 2, 3
 
 def event_key(raw: bytes) -> bytes:
     """Keys longer than 200 bytes are replaced by ``sha256:<hex>`` of themselves."""
-    if len(raw) <= MAX_EVENT_KEY:
+    if len(raw) <= L.MAX_EVENT_KEY:
         return raw
     return b"sha256:" + hashlib.sha256(raw).hexdigest().encode()
 
@@ -89,7 +89,7 @@ class RedisStore:
         return f"{self._prefix}:{{{tenant}}}:rl".encode()
 
     def dedupe_key(self, tenant: str, source: str, key: bytes) -> bytes:
-        return f"{self._prefix}:{{{tenant}}}:dd:{source}:".encode() + event_key(key)
+        return L.dedupe_key(self._prefix, tenant, source, event_key(key))
 
     async def admit(
         self,

@@ -16,12 +16,12 @@ writing, copies the record and publishes -- the last two steps by compare-and-sw
 so a producer that stalled past the grace period finds its slot taken and reports it.
 A producer killed between reserving and publishing leaves the consumer at a slot that
 never fills; after ``grace_ms`` the consumer marks the slot abandoned (its producer's
-compare-and-swaps fail from then on), moves past it and counts it, so a dead worker cannot
-wedge the queue. (One case stays open: a producer
-frozen -- SIGSTOP, not death -- in the middle of its copy for longer than the grace period,
-whose slot the ring then reuses a whole lap later, can resume and overwrite that newer
-record before it is read. DESIGN.md has the supervisor kill a worker whose heartbeat goes
-stale -- not built yet -- which would end such a freeze long before a lap comes round.)
+compare-and-swaps fail from then on), moves past it and counts it, so a dead worker
+cannot wedge the queue. (One case stays open: a producer frozen -- SIGSTOP, not death --
+in the middle of its copy for longer than the grace period, whose slot the ring then
+reuses a whole lap later, can resume and overwrite that newer record before it is read.
+The supervisor is meant to kill a worker whose heartbeat goes stale -- not built yet --
+which would end such a freeze long before a lap comes round.)
 
 The consumer reads a batch without freeing it (``peek``) and frees it only once its
 operations are delivered (``commit``): a consumer killed in between loses nothing, and
@@ -31,14 +31,16 @@ A consumer killed at any instruction of ``commit`` loses nothing either. The deq
 position moves first and the slots are freed after it, in position order, so the ring
 lends a slot to the next lap only once the head is past it: depth (enqueue less dequeue
 position) never exceeds the capacity. A consumer killed between the two leaves a run of
-slots just behind the head still reading "published" (or "abandoned"); no producer can
-take them, so the ring is only smaller until the next consumer's first ``peek``, which
-looks at the slot behind the head (one load, every time) and frees that run back to its
-first freed slot. Giving up on a slot goes the same way -- mark it, move the head, free
-it -- and a consumer that finds a marked slot at the head finishes the job at once, with
-no grace period. A slot is counted as abandoned by the consumer that moves the head past
-it, in ``peek``'s answer; the one count that can still be lost is that of a consumer
-killed between moving the head and its caller adding the count up.
+slots just behind the head still reading "published" (or "abandoned"). No producer can
+take them -- pushes that reach them are FULL -- until the next consumer's first
+``peek``, which frees that run back to its first freed slot: nothing is read as a stuck
+producer, nothing waits a grace period, nothing of the next lap is touched. (A consumer
+looks behind the head whenever the head is not where its own last commit left it: on its
+first ``peek``, and after a commit it did not finish.) Giving a slot up goes the same
+way -- mark it, move the head, free it -- and a consumer that finds a marked slot at the
+head finishes the job at once. A slot is counted abandoned by the consumer that moves the
+head past it, in ``peek``'s answer; the one count that can still be lost is that of a
+consumer killed between moving the head and its caller adding the count up.
 """
 
 from __future__ import annotations
@@ -119,6 +121,9 @@ class SettleQueue:
         self.capacity = lay.params.queue_capacity
         self._grace_ms = grace_ms
         self._stuck: tuple[int, int] | None = None  # (pos, first seen ms), consumer only
+        # A head position behind which this consumer knows every slot is freed: while the
+        # head is there, ``peek`` need not look behind it.
+        self._tidy_at = -1
 
     def format(self) -> None:
         """Number a fresh ring's slots for the first lap (the segment's creator, once)."""
@@ -204,7 +209,8 @@ class SettleQueue:
         many abandoned slots were skipped at the head on the way."""
         v, cap = self._view, self.capacity
         start = pos = v.load(self._deq)
-        self._free_behind(pos)
+        if pos != self._tidy_at:
+            self._free_behind(pos)
         records: list[Record] = []
         skipped = 0
         while len(records) < max_records:
@@ -221,6 +227,7 @@ class SettleQueue:
                 break
             v.store(self._deq, pos + 1)  # the head first, then the slot: as in commit
             v.store(cell, pos + cap)
+            self._tidy_at = pos + 1
             skipped += 1
             pos += 1
             start = pos
@@ -235,6 +242,7 @@ class SettleQueue:
             if pause is not None:
                 pause(pos)
             v.store(self._slots + (pos % cap) * L.QUEUE_SLOT_BYTES, pos + cap)
+        self._tidy_at = batch.end
 
     def _free_behind(self, head: int) -> None:
         """Free the slots a consumer killed inside ``commit`` (or while giving a slot up)
@@ -249,6 +257,7 @@ class SettleQueue:
             first -= 1
         for pos in range(first, head):
             v.store(self._slots + (pos % cap) * L.QUEUE_SLOT_BYTES, pos + cap)
+        self._tidy_at = head
 
     def _abandon(self, cell: int, pos: int, seq: int, now_ms: int) -> bool:
         """Mark the head slot abandoned if it has been reserved-but-unpublished for the
