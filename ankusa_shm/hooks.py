@@ -1,13 +1,27 @@
 """What a hook is as it travels the request path, and what the store said of it.
 
-Leaf types shared by the stages: the worker builds an ``Envelope``, admission reads it,
-the store answers with a ``CommitResult`` that admission's ``settle`` turns into a
-promote or a release.
+Leaf types shared by the stages: the request path builds an ``Envelope`` for admission
+and a ``NewHook`` for the store; the store answers with a ``CommitResult`` that
+admission's ``settle`` turns into a promote or a release.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+
+from ankusa_shm.shm.layout import MAX_EVENT_KEY
+
+Headers = tuple[tuple[str, str], ...]
+"""Header (lower-case name, value) pairs, in the order received."""
+
+
+def bounded_event_key(raw: bytes) -> bytes:
+    """The event key as stored and claimed: keys longer than ``MAX_EVENT_KEY`` bytes are
+    replaced by ``sha256:<hex>`` of themselves, so every key fits the index and a claim."""
+    if len(raw) <= MAX_EVENT_KEY:
+        return raw
+    return b"sha256:" + hashlib.sha256(raw).hexdigest().encode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,6 +29,20 @@ class Envelope:
     """A verified hook. ``event_key`` is None when its source gives no dedupe key."""
 
     event_key: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NewHook:
+    """A verified, admitted hook on its way into the host's store."""
+
+    id: str
+    tenant: str
+    source: str
+    event_key: bytes | None  # bounded; None: no local dedupe for this hook
+    dedupe_ttl_s: int  # how long the local index remembers the key
+    received_ms: int  # wall clock, ms since the epoch
+    headers: Headers  # the headers worth keeping
+    body: bytes
 
 
 @dataclass(frozen=True, slots=True)

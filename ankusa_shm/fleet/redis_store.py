@@ -31,6 +31,7 @@ from ankusa_shm.fleet.redis_client import (
     ReplyError,
     parse_url,
 )
+from ankusa_shm.hooks import bounded_event_key
 from ankusa_shm.limits import Limit
 from ankusa_shm.shm import layout as L
 from ankusa_shm.shm.settle_queue import Op, Record
@@ -54,13 +55,6 @@ SETTLE = Script.load("settle.lua")
 
 # admit.lua's answers
 ADMITTED, DUPLICATE, PENDING, LIMITED = 0, 1, 2, 3
-
-
-def event_key(raw: bytes) -> bytes:
-    """Keys longer than 200 bytes are replaced by ``sha256:<hex>`` of themselves."""
-    if len(raw) <= L.MAX_EVENT_KEY:
-        return raw
-    return b"sha256:" + hashlib.sha256(raw).hexdigest().encode()
 
 
 class RedisStore:
@@ -89,7 +83,7 @@ class RedisStore:
         return f"{self._prefix}:{{{tenant}}}:rl".encode()
 
     def dedupe_key(self, tenant: str, source: str, key: bytes) -> bytes:
-        return L.dedupe_key(self._prefix, tenant, source, event_key(key))
+        return L.dedupe_key(self._prefix, tenant, source, bounded_event_key(key))
 
     async def admit(
         self,
