@@ -1,8 +1,55 @@
-"""What every child process of the supervisor does as it starts, before it serves."""
+"""What every child process of the supervisor does as it starts, before it serves.
+
+A child is forked, not exec'd: it inherits the supervisor's mapping of the segment and its
+listening sockets, and nothing else it may use -- event loops, Redis connections and
+database handles are all made here, after the fork. ``run`` is the child's whole life: it
+never returns into the supervisor's code, and its exit status tells the supervisor what
+happened (``BOOT_ERROR``: it could not start, and starting it again would not help).
+"""
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import logging
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+from typing import NoReturn
+
+import setproctitle
+
+log = logging.getLogger("ankusa_shm.child")
+
+BOOT_ERROR = 3  # as gunicorn's workers: the supervisor stops instead of respawning
+_PR_SET_PDEATHSIG = 1
+_RESET = (
+    signal.SIGTERM,
+    signal.SIGINT,
+    signal.SIGQUIT,
+    signal.SIGHUP,
+    signal.SIGTTIN,
+    signal.SIGTTOU,
+    signal.SIGCHLD,
+    signal.SIGABRT,
+)
+
+
+class BootError(Exception):
+    """The child cannot start (a store it cannot open, a secret it cannot read, ...)."""
+
+
+def die_with_parent(parent: int) -> None:
+    """Ask the kernel to SIGKILL us when the supervisor dies: the segment keeps whatever
+    was queued, and a fresh supervisor starts clean children. If the parent died before
+    the request took effect, go now."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        log.warning("PR_SET_PDEATHSIG failed: errno %d", ctypes.get_errno())
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def settle_heap() -> None:
@@ -15,3 +62,25 @@ def settle_heap() -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+def run(title: str, parent: int, body: Callable[[], int]) -> NoReturn:
+    """The forked child's life: become a child, run ``body``, exit with its status."""
+    code = 1
+    try:
+        die_with_parent(parent)
+        signal.set_wakeup_fd(-1)
+        for sig in _RESET:
+            signal.signal(sig, signal.SIG_DFL)
+        setproctitle.setproctitle(title)
+        code = body()
+    except BootError as e:
+        log.error("%s cannot start: %s", title, e)
+        code = BOOT_ERROR
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)

@@ -8,7 +8,6 @@ import sys
 from collections.abc import Sequence
 
 from ankusa_shm import config, inspect
-from ankusa_shm.credentials import MissingSecret
 from ankusa_shm.shm.segment import DEFAULT_NAME, SegmentError
 
 
@@ -22,6 +21,9 @@ def _positive(text: str) -> float:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ankusa-shm", description="Webhook edge for bare-metal hosts.")
     sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the service: supervisor, workers, drainer")
+    s.add_argument("--config", help="TOML file (default: embedded defaults)")
 
     c = sub.add_parser("check-config", help="validate a config file without starting")
     c.add_argument("file", nargs="?", help="TOML file (omit with --list)")
@@ -39,6 +41,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args.config)
     if args.command == "check-config":
         return _check_config(args.file, args.list)
     if args.command == "drainer":
@@ -60,19 +64,40 @@ def _check_config(file: str | None, list_settings: bool) -> int:
         cfg = config.load(file)
     except config.ConfigError as e:
         print(f"ankusa-shm: {e}", file=sys.stderr)
-        return 1
+        return 2
     kinds = ", ".join(cfg.fleet_kinds) or "none"
     print(f"{file}: ok ({len(cfg.sources)} sources; fleet kinds: {kinds})")
     return 0
 
 
-def _drainer(file: str | None) -> int:
-    from ankusa_shm.fleet import drainer
+def _configure_logging() -> None:
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s [%(process)d] %(name)s %(levelname)s %(message)s",
+    )
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+def _serve(file: str | None) -> int:
+    from ankusa_shm.supervisor.arbiter import Arbiter
+    from ankusa_shm.supervisor.sockets import BindError
+
+    _configure_logging()
     try:
         cfg = config.load(file) if file else config.defaults()
-        return drainer.main(cfg)
-    except (config.ConfigError, SegmentError, MissingSecret) as e:
+        return Arbiter(cfg, file).run()
+    except (config.ConfigError, SegmentError, BindError) as e:
+        print(f"ankusa-shm serve: {e}", file=sys.stderr)
+        return 2
+
+
+def _drainer(file: str | None) -> int:
+    from ankusa_shm.child import BootError
+    from ankusa_shm.fleet import drainer
+
+    _configure_logging()
+    try:
+        cfg = config.load(file) if file else config.defaults()
+        return drainer.run_alone(cfg)
+    except (config.ConfigError, SegmentError, BootError) as e:
         print(f"ankusa-shm drainer: {e}", file=sys.stderr)
         return 2

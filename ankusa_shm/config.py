@@ -94,15 +94,53 @@ class Server:
         "127.0.0.1:9180", "Address of /metrics /healthz /readyz (loopback).", _address
     )
     max_body_bytes: int = setting(1_048_576, "Largest hook body accepted.", at_least(1))
+    max_header_bytes: int = setting(
+        65_536, "Largest request line and headers accepted.", between(1_024, 1_048_576)
+    )
+    header_timeout_s: float = setting(
+        10.0, "From a request's first byte to its last header.", between(0.1, 3_600)
+    )
+    body_timeout_s: float = setting(
+        30.0, "From a request's last header to its last body byte.", between(0.1, 3_600)
+    )
+    keepalive_timeout_s: float = setting(
+        15.0, "How long an idle keep-alive connection is kept.", between(0.1, 3_600)
+    )
+    graceful_timeout_s: float = setting(
+        30.0, "On SIGTERM, how long in-flight work may take before it is killed.", between(0, 3_600)
+    )
+    heartbeat_timeout_s: float = setting(
+        10.0, "A child whose event loop is silent this long is restarted.", between(1, 3_600)
+    )
+    backlog: int = setting(2_048, "Listen backlog of each address.", between(1, 65_535))
     segment: str = setting("ankusa-shm", "Name of the shared-memory segment.", _name)
 
 
 @dataclass(frozen=True)
 class Store:
-    path: str = setting("var/hooks.db", "The host's durable hook store (SQLite).")
+    path: str = setting(
+        "var/hooks.db", "The host's durable hook store (SQLite); relative: to the working dir."
+    )
     durability: Literal["fsync", "os"] = setting(
         "fsync", "fsync: each commit batch is on disk; os: left to the OS."
     )
+    commit_wait_ms: int = setting(
+        1, "How long a batch's first hook waits for company; 0: not at all.", between(0, 50)
+    )
+    max_batch: int = setting(256, "Hooks in one transaction at most.", between(1, 10_000))
+    lock_timeout_ms: int = setting(
+        5_000, "A hook whose transaction has not begun by then is not stored.", between(10, 600_000)
+    )
+    sweep_interval_s: int = setting(
+        60, "Pause between sweeps of expired dedupe index rows.", between(1, 86_400)
+    )
+
+    @property
+    def close_wait_s(self) -> float:
+        """How long closing a writer waits for its thread. Every hook it holds is answered
+        within one ``lock_timeout_ms`` (its transaction began, or it was given up on); a
+        second more covers the last batch's write and fsync."""
+        return self.lock_timeout_ms / 1000 + 1.0
 
 
 @dataclass(frozen=True)
@@ -198,25 +236,86 @@ class Fleet:
         return 2 * self.settle_timeout_ms / 1000
 
 
+# An HTTP field name (RFC 9110 token), so a typo cannot name a header no request carries.
+_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
+
+
+def _header_name(v: str) -> str | None:
+    return None if _TOKEN.match(v) else f"{v!r} is not a header name"
+
+
+def _json_path(v: str) -> str | None:
+    if all(v.split(".")):
+        return None
+    return f"{v!r} is not a dotted path, e.g. 'data.object.id'"
+
+
 @dataclass(frozen=True)
 class Hmac:
-    header: str = required("Header carrying the signature.")
+    header: str = required("Header carrying the signature.", _header_name)
     secret_env: str = setting("", "Environment variable holding the secret.")
     secret_file: str = setting("", "File holding the secret.")
-    prefix: str = setting("", "Text before the hex digest, e.g. 'sha256='.")
+    prefix: str = setting("", "Text before the digest, e.g. 'sha256='.")
     algorithm: Literal["sha256", "sha1", "sha512"] = setting("sha256", "Digest.")
+    encoding: Literal["hex", "base64"] = setting(
+        "hex", "How the digest is written: hex (GitHub) or base64 (Shopify)."
+    )
+
+
+@dataclass(frozen=True)
+class StandardWebhooks:
+    secret_env: str = setting("", "Environment variable holding the whsec_ secret.")
+    secret_file: str = setting("", "File holding the whsec_ secret.")
+    tolerance_s: int = setting(
+        300, "Largest distance of the signed timestamp from now.", between(1, 86_400)
+    )
+
+
+@dataclass(frozen=True)
+class Svix(StandardWebhooks):
+    """The Standard Webhooks scheme under svix-* header names."""
+
+
+@dataclass(frozen=True)
+class Stripe:
+    secret_env: str = setting("", "Environment variable holding the endpoint's secret.")
+    secret_file: str = setting("", "File holding the endpoint's secret.")
+    tolerance_s: int = setting(
+        300, "Largest distance of the signed timestamp from now.", between(1, 86_400)
+    )
+
+
+SignatureScheme = Hmac | StandardWebhooks | Stripe
 
 
 @dataclass(frozen=True)
 class Verify:
-    hmac: Hmac | None = setting(None, "HMAC signature check.")
+    hmac: Hmac | None = setting(None, "HMAC of the body in one header.")
+    standard_webhooks: StandardWebhooks | None = setting(
+        None, "Standard Webhooks: webhook-id, webhook-timestamp, webhook-signature."
+    )
+    svix: Svix | None = setting(None, "Svix: svix-id, svix-timestamp, svix-signature.")
+    stripe: Stripe | None = setting(None, "Stripe: the Stripe-Signature header.")
+
+    def schemes(self) -> list[tuple[str, SignatureScheme]]:
+        """(key, spec) of every scheme given; the config lets through at most one."""
+        return [
+            (f.name, v)
+            for f in dataclasses.fields(self)
+            if (v := getattr(self, f.name)) is not None
+        ]
+
+
+DedupePreset = Literal["github", "standard_webhooks", "svix", "shopify", "stripe"]
 
 
 @dataclass(frozen=True)
 class SourceDedupe:
-    preset: str = setting("", "github | stripe | shopify | svix | standard-webhooks.")
-    header: str = setting("", "Header carrying the event key.")
-    json_path: str = setting("", "Dotted path of the event key in a JSON body.")
+    preset: DedupePreset | None = setting(
+        None, "github | standard_webhooks | svix | shopify | stripe."
+    )
+    header: str = setting("", "Header carrying the event key.", _header_name)
+    json_path: str = setting("", "Dotted path of the event key in a JSON body.", _json_path)
     ttl_seconds: int = setting(259_200, "Dedupe window.", between(1, 31_536_000))
 
 
@@ -263,7 +362,10 @@ class Config:
 
 
 def defaults() -> Config:
-    return Config()
+    """What ``serve`` runs with no file: node scope, the store under ./var, one ``demo``
+    source without verification whose event key is the JSON body's ``id``."""
+    demo = Source(id="demo", tenant="demo", dedupe=SourceDedupe(json_path="id"))
+    return Config(sources=[demo])
 
 
 def load(path: str | Path) -> Config:
@@ -369,11 +471,18 @@ def _cross_checks(cfg: Config, origin: str) -> None:
         if src.id in seen:
             raise ConfigError(f"{origin}: sources[{i}].id: {src.id!r} is used twice")
         seen.add(src.id)
-        hmac = src.verify.hmac
-        if hmac is not None and bool(hmac.secret_env) == bool(hmac.secret_file):
+        schemes = src.verify.schemes()
+        if len(schemes) > 1:
+            given = ", ".join(name for name, _ in schemes)
             raise ConfigError(
-                f"{origin}: sources[{i}].verify.hmac: give exactly one of secret_env, secret_file"
+                f"{origin}: sources[{i}].verify: give at most one scheme, not {given}"
             )
+        for name, scheme in schemes:
+            if bool(scheme.secret_env) == bool(scheme.secret_file):
+                raise ConfigError(
+                    f"{origin}: sources[{i}].verify.{name}: "
+                    "give exactly one of secret_env, secret_file"
+                )
         d = src.dedupe
         if d is not None and sum(map(bool, (d.preset, d.header, d.json_path))) != 1:
             raise ConfigError(

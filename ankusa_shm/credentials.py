@@ -23,4 +23,6 @@ def read_secret(env: str = "", file: str = "") -> str:
             return Path(file).read_text(encoding="utf-8").strip()
         except OSError as e:
             raise MissingSecret(f"cannot read secret file {file}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise MissingSecret(f"secret file {file} is not UTF-8 text") from None
     return ""

@@ -8,6 +8,7 @@ admission's ``settle`` turns into a promote or a release.
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 
 from ankusa_shm.shm.layout import MAX_EVENT_KEY
@@ -67,3 +68,13 @@ class NotStored:
 
 
 CommitResult = Committed | AlreadyStored | NotStored
+
+
+def new_hook_id(wall_ms: int) -> str:
+    """A UUIDv7: 48 bits of Unix milliseconds, then random bits. Sortable by time across
+    hosts, unique without coordination."""
+    n = (wall_ms & 0xFFFF_FFFF_FFFF) << 80 | int.from_bytes(os.urandom(10))
+    n = n & ~(0xF << 76) | 0x7 << 76  # version 7
+    n = n & ~(0x3 << 62) | 0x2 << 62  # RFC 9562 variant
+    h = f"{n:032x}"
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"

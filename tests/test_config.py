@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -95,8 +96,11 @@ def test_defaults_and_an_empty_file(tmp_path: Path) -> None:
     assert d.fleet_kinds == ()
     assert d.server.listen == ["127.0.0.1:8080"]
     assert d.server.admin_listen == "127.0.0.1:9180"
+    (demo,) = d.sources  # a newcomer's first curl needs one source, unverified
+    assert (demo.id, demo.verify.hmac) == ("demo", None)
     empty = config.load(write(tmp_path, ""))
-    assert empty == d  # origin is not part of equality
+    assert empty.sources == []  # a file says which sources exist
+    assert dataclasses.replace(empty, sources=d.sources) == d  # origin is not compared
     assert empty.origin != d.origin
 
 
@@ -231,17 +235,17 @@ def test_check_config_command(tmp_path: Path) -> None:
     assert "ok (1 sources; fleet kinds: rate_limit, dedupe)" in good.stdout
 
     bad = check_config(write(tmp_path, "[fleet]\ntimeout_ms = 'fast'\n", "bad.toml"))
-    assert bad.returncode == 1
+    assert bad.returncode == 2
     assert bad.stdout == ""
     assert str(tmp_path / "bad.toml") in bad.stderr and "fleet.timeout_ms" in bad.stderr
     assert "Traceback" not in bad.stderr
 
     overflow = write(tmp_path, "[rate_limits]\ndefault = { rate = 1e-320, burst = 1 }\n", "o.toml")
     r = check_config(overflow)
-    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "Traceback" not in r.stderr
 
     missing = check_config(tmp_path / "nope.toml")
-    assert missing.returncode == 1 and "cannot read" in missing.stderr
+    assert missing.returncode == 2 and "cannot read" in missing.stderr
 
     listing = check_config("--list")
     assert listing.returncode == 0

@@ -20,12 +20,14 @@ import contextlib
 import logging
 import os
 import signal
+from collections.abc import Callable
 
 import uvloop
 
+from ankusa_shm.child import BootError
 from ankusa_shm.clock import Clock, monotonic_ns
 from ankusa_shm.config import Config
-from ankusa_shm.credentials import read_secret
+from ankusa_shm.credentials import MissingSecret, read_secret
 from ankusa_shm.fleet.redis_client import RedisError
 from ankusa_shm.fleet.redis_store import RedisStore
 from ankusa_shm.fleet.settle import UNKNOWN
@@ -159,36 +161,46 @@ class Drainer:
                 await stop.wait()
 
 
-def main(cfg: Config, slot_index: int | None = None) -> int:
-    """The drainer process: attach, claim a slot, drain until told to stop."""
-    seg = Segment.attach(cfg.server.segment)
+def main(
+    cfg: Config, seg: Segment, slot: ProcessSlot, ready: Callable[[], None] = lambda: None
+) -> int:
+    """The drainer's life in its slot: drain until SIGTERM (then empty the queue, up to
+    ``drain_on_stop_ms``) or SIGINT/SIGQUIT (stop now; the queue keeps what it holds)."""
     try:
-        slot = procs.claim(seg.view, seg.layout, Role.DRAINER, index=slot_index)
         password = read_secret(cfg.fleet.password_env, cfg.fleet.password_file)
-        store = RedisStore.from_config(cfg.fleet, password, stall_s=cfg.fleet.drainer_stall_s)
-        drainer = Drainer(cfg, seg, slot, store)
+    except MissingSecret as e:
+        raise BootError(str(e)) from None
+    store = RedisStore.from_config(cfg.fleet, password, stall_s=cfg.fleet.drainer_stall_s)
+    drainer = Drainer(cfg, seg, slot, store)
+    ready()
 
-        async def serve() -> None:
-            stop = asyncio.Event()
-            loop = asyncio.get_running_loop()
-            loop.add_signal_handler(signal.SIGTERM, stop.set)
-            task = asyncio.current_task()
-            assert task is not None
-            for sig in (signal.SIGINT, signal.SIGQUIT):
-                loop.add_signal_handler(sig, task.cancel)
-            try:
-                await drainer.run(stop)
-            finally:
-                await store.close()
-
+    async def serve() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        task = asyncio.current_task()
+        assert task is not None
+        for sig in (signal.SIGINT, signal.SIGQUIT):
+            loop.add_signal_handler(sig, task.cancel)
         try:
-            with contextlib.suppress(asyncio.CancelledError):
-                uvloop.run(serve())
-        except ConsumerTaken as e:  # a second drainer: say so, without a traceback
-            log.error("not draining: %s", e)
-            return 2
+            await drainer.run(stop)
+        finally:
+            await store.close()
+
+    try:
+        with contextlib.suppress(asyncio.CancelledError):
+            uvloop.run(serve())
+    except ConsumerTaken as e:  # a second drainer: say so, without a traceback
+        log.error("not draining: %s", e)
+        return 2
+    return 0
+
+
+def run_alone(cfg: Config, slot_index: int | None = None) -> int:
+    """``ankusa-shm drainer``: attach to a running service's segment and drain it."""
+    with Segment.attach(cfg.server.segment) as seg:
+        slot = procs.claim(seg.view, seg.layout, Role.DRAINER, index=slot_index)
+        try:
+            return main(cfg, seg, slot)
         finally:
             slot.release()
-        return 0
-    finally:
-        seg.close()

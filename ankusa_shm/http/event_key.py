@@ -1,0 +1,111 @@
+"""Event keys: what makes two deliveries of one event the same hook, for dedupe.
+
+A source names its key by preset, by header or by a dotted path into a JSON body; one
+finder per source is built when a worker starts (``key_finder_for``). ``find`` never
+raises: a hook whose key is missing or unreadable gets None -- no dedupe for that hook --
+because refusing it would lose an event to protect against a duplicate. Keys are bounded
+(``hooks.bounded_event_key``) before they leave here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Protocol
+
+from ankusa_shm import config
+from ankusa_shm.hooks import bounded_event_key
+
+
+class KeyFinder(Protocol):
+    def find(self, headers: Mapping[str, str], body: bytes) -> bytes | None:
+        """The hook's bounded event key, or None when it has none.
+
+        ``headers`` have lower-case names."""
+        ...
+
+
+class HeaderKey:
+    """The key is one header's value, without surrounding whitespace."""
+
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str) -> None:
+        self._name = name.lower()
+
+    def find(self, headers: Mapping[str, str], body: bytes) -> bytes | None:
+        value = headers.get(self._name)
+        if value is None:
+            return None
+        value = value.strip()
+        return _encode(value) if value else None
+
+    def __repr__(self) -> str:
+        return f"HeaderKey({self._name!r})"
+
+
+class JsonPathKey:
+    """The key is a string or an integer at a dotted path into a JSON object body.
+
+    A segment of digits also indexes an array (``items.0.id``); on an object it is just
+    a name. The body is parsed only for sources keyed this way."""
+
+    __slots__ = ("_path", "_steps")
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._steps = tuple(
+            (name, int(name) if name.isascii() and name.isdigit() else -1)
+            for name in path.split(".")
+        )
+
+    def find(self, headers: Mapping[str, str], body: bytes) -> bytes | None:
+        try:
+            node = json.loads(body)
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested too deep
+            return None
+        if not isinstance(node, dict):
+            return None
+        for name, index in self._steps:
+            if isinstance(node, dict):
+                node = node.get(name)
+            elif isinstance(node, list) and 0 <= index < len(node):
+                node = node[index]
+            else:
+                return None
+        if isinstance(node, str):
+            return _encode(node) if node else None
+        if type(node) is int:  # not bool, which JSON's true and false also are
+            return bounded_event_key(str(node).encode())
+        return None
+
+    def __repr__(self) -> str:
+        return f"JsonPathKey({self._path!r})"
+
+
+PRESETS: Mapping[config.DedupePreset, KeyFinder] = {
+    "github": HeaderKey("x-github-delivery"),
+    "standard_webhooks": HeaderKey("webhook-id"),
+    "svix": HeaderKey("svix-id"),
+    "shopify": HeaderKey("x-shopify-webhook-id"),
+    "stripe": JsonPathKey("id"),
+}
+"""Where each provider puts the id that stays the same when it delivers an event again."""
+
+
+def key_finder_for(source: config.Source) -> KeyFinder | None:
+    """The key finder of ``source``, or None when it has no dedupe spec."""
+    d = source.dedupe
+    if d is None:
+        return None
+    if d.preset:
+        return PRESETS[d.preset]
+    if d.header:
+        return HeaderKey(d.header)
+    return JsonPathKey(d.json_path)
+
+
+def _encode(text: str) -> bytes:
+    # surrogatepass: any str has an encoding (a JSON "\ud800" escape included), and the
+    # same text always the same one, which is all a dedupe key needs.
+    return bounded_event_key(text.encode("utf-8", "surrogatepass"))

@@ -1,0 +1,345 @@
+"""HTTP/1.1 framing over asyncio, parsed by httptools: keep-alive, pipelining, bodies of
+either framing, and the limits that keep one client from costing the others.
+
+A connection parses everything it receives; each complete request goes onto the
+connection's pipeline and is answered in order by one task at a time, so a pipelined
+burst is answered in the order it was sent. Reading pauses while the pipeline is deep and
+while the transport cannot write, so a client that sends without reading cannot grow
+our memory. Limits: a request line plus headers larger than ``max_header_bytes`` is 431;
+a body larger than ``max_body_bytes`` is 413 as soon as the ``Content-Length`` (or the
+chunks seen so far) says so, without reading the rest; bytes that do not parse are 400.
+Each ends the connection. Deadlines (headers, body, idle keep-alive) are checked by one
+sweep per server each ``SWEEP_S`` rather than a timer per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+import typing
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from http import HTTPStatus
+
+import httptools
+
+log = logging.getLogger("ankusa_shm.http")
+
+SWEEP_S = 0.25
+PIPELINE_DEPTH = 16  # requests parsed ahead of their answers before reading pauses
+LINGER_S = 1.0  # after an error answer: how long to discard what the client still sends
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    method: bytes
+    path: bytes  # without the query string
+    headers: list[tuple[bytes, bytes]]  # names lower-case, as received
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Response:
+    status: int
+    body: bytes
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_header_bytes: int
+    max_body_bytes: int
+    header_timeout_s: float
+    body_timeout_s: float
+    keepalive_timeout_s: float
+
+
+class _Reject(Exception):
+    """Raised inside a parser callback to stop parsing and answer ``status``."""
+
+    def __init__(self, status: int, error: str) -> None:
+        self.status = status
+        self.error = error
+
+
+_STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in HTTPStatus}
+
+
+def error_body(error: str) -> bytes:
+    return b'{"error":"' + error.encode() + b'"}'
+
+
+def encode(resp: Response, keep_alive: bool) -> bytes:
+    head = [
+        _STATUS_LINES[resp.status],
+        b"content-type: application/json\r\ncontent-length: ",
+        str(len(resp.body)).encode(),
+        b"\r\n" if keep_alive else b"\r\nconnection: close\r\n",
+    ]
+    for name, value in resp.headers:
+        head += (name, b": ", value, b"\r\n")
+    head += (b"\r\n", resp.body)
+    return b"".join(head)
+
+
+class Connection(asyncio.Protocol):
+    """One client connection: parse, queue, answer in order, enforce the limits."""
+
+    def __init__(self, server: HttpServer) -> None:
+        self._server = server
+        self._limits = server.limits
+        self._parser = httptools.HttpRequestParser(self)
+        self._transport: asyncio.Transport | None = None
+        self._pipeline: deque[tuple[Request, bool]] = deque()
+        self._task: asyncio.Task[None] | None = None
+        self._can_write = asyncio.Event()
+        self._can_write.set()
+        self._reading = True
+        self._closing = False  # no more requests are read: answering what is queued
+        self._lingering = False
+        # the request being parsed
+        self._in_request = False
+        self._url = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._header_bytes = 0
+        self._body: list[bytes] = []
+        self._body_bytes = 0
+        self._deadline = 0.0  # monotonic seconds; 0 when none applies
+        self._deadline_error = ""
+
+    # -- asyncio.Protocol ---------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = typing.cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self._server.connections.add(self)
+        self._expect_idle()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._server.connections.discard(self)
+        self._transport = None
+        self._can_write.set()
+        if self._task is not None:
+            self._task.cancel()
+
+    def data_received(self, data: bytes) -> None:
+        if self._closing:
+            return  # answered an error, or stopping: discard
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserCallbackError as e:
+            cause = e.__context__
+            if isinstance(cause, _Reject):
+                self._reject(cause.status, cause.error)
+            else:
+                log.error("request parser callback failed: %r", cause)
+                self._reject(500, "internal_error")
+        except httptools.HttpParserUpgrade:
+            self._reject(400, "upgrade_not_supported")
+        except httptools.HttpParserError:
+            self._reject(400, "bad_request")
+
+    def eof_received(self) -> bool | None:
+        if self._lingering and self._transport is not None:
+            self._transport.close()
+        # A half-closed client may still read our answers to what it sent.
+        self._closing = True
+        if self._task is None and not self._pipeline and self._transport is not None:
+            self._transport.close()
+        return True
+
+    def pause_writing(self) -> None:
+        self._can_write.clear()
+
+    def resume_writing(self) -> None:
+        self._can_write.set()
+
+    # -- httptools callbacks ------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._in_request = True
+        self._url = b""
+        self._headers = []
+        self._header_bytes = 0
+        self._body = []
+        self._body_bytes = 0
+        self._set_deadline(self._limits.header_timeout_s, "header_timeout")
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._count_header_bytes(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_header_bytes(len(name) + len(value) + 4)
+        self._headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        for name, value in self._headers:
+            too_large = value.isdigit() and int(value) > self._limits.max_body_bytes
+            if name == b"content-length" and too_large:
+                raise _Reject(413, "too_large")
+        self._set_deadline(self._limits.body_timeout_s, "body_timeout")
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        if self._body_bytes > self._limits.max_body_bytes:
+            raise _Reject(413, "too_large")
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        path = self._url.partition(b"?")[0]
+        req = Request(self._parser.get_method(), path, self._headers, b"".join(self._body))
+        self._in_request = False
+        self._deadline = 0.0
+        self._pipeline.append((req, self._parser.should_keep_alive()))
+        if len(self._pipeline) >= PIPELINE_DEPTH:
+            self._pause_reading()
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._answer())
+
+    # -- answering ----------------------------------------------------------------------
+
+    async def _answer(self) -> None:
+        """Answer the pipeline in order; one task per connection at a time."""
+        handler = self._server.handler
+        try:
+            while self._pipeline and self._transport is not None:
+                req, keep_alive = self._pipeline.popleft()
+                if len(self._pipeline) < PIPELINE_DEPTH // 2:
+                    self._resume_reading()
+                try:
+                    resp = await handler(req)
+                except Exception:  # a bug: answer it, and keep the connection's order
+                    log.exception("request handler failed")
+                    resp = Response(500, error_body("internal_error"))
+                keep_alive = keep_alive and not self._server.stopping
+                if self._transport is None:
+                    return
+                self._transport.write(encode(resp, keep_alive))
+                if not keep_alive:
+                    self._closing = True
+                    self._pipeline.clear()
+                    self._transport.close()
+                    return
+                if not self._can_write.is_set():
+                    await self._can_write.wait()
+        finally:
+            self._task = None
+        if self._transport is None:
+            return
+        if self._closing:
+            self._transport.close()
+        elif not self._in_request:
+            self._expect_idle()
+
+    def _reject(self, status: int, error: str) -> None:
+        """Answer an unreadable request and end the connection. Requests already queued
+        are dropped unanswered: the client cannot tell which of its bytes we understood."""
+        self._closing = True
+        self._lingering = True
+        self._pipeline.clear()
+        if self._task is not None:
+            self._task.cancel()
+        t = self._transport
+        if t is None:
+            return
+        t.write(encode(Response(status, error_body(error)), keep_alive=False))
+        # Close our side but keep reading (and discarding) for a moment, so the client
+        # reads the answer instead of a reset caused by its unread bytes.
+        if t.can_write_eof():
+            t.write_eof()
+            self._deadline = time.monotonic() + LINGER_S
+            self._deadline_error = ""
+        else:
+            t.close()
+
+    # -- limits -------------------------------------------------------------------------
+
+    def _count_header_bytes(self, n: int) -> None:
+        self._header_bytes += n
+        if self._header_bytes > self._limits.max_header_bytes:
+            raise _Reject(431, "headers_too_large")
+
+    def _set_deadline(self, seconds: float, error: str) -> None:
+        self._deadline = time.monotonic() + seconds
+        self._deadline_error = error
+
+    def _expect_idle(self) -> None:
+        self._set_deadline(self._limits.keepalive_timeout_s, "")
+
+    def check_deadline(self, now: float) -> None:
+        """Called by the server's sweep. An idle connection past its keep-alive is closed
+        quietly; a request too slow in coming is answered 408 first."""
+        if not self._deadline or now < self._deadline or self._task is not None:
+            return
+        if self._deadline_error and not self._lingering:
+            self._reject(408, self._deadline_error)
+        elif self._transport is not None:
+            self._transport.close()
+
+    def stop(self) -> None:
+        """The server is stopping: an idle connection closes now, a busy one after its
+        answer (which says ``connection: close``)."""
+        if self._task is None and not self._pipeline and self._transport is not None:
+            self._transport.close()
+
+    def _pause_reading(self) -> None:
+        if self._reading and self._transport is not None:
+            self._reading = False
+            self._transport.pause_reading()
+
+    def _resume_reading(self) -> None:
+        if not self._reading and self._transport is not None:
+            self._reading = True
+            self._transport.resume_reading()
+
+
+class HttpServer:
+    """The connections of one process, across all its listening sockets."""
+
+    def __init__(self, handler: Handler, limits: Limits) -> None:
+        self.handler = handler
+        self.limits = limits
+        self.connections: set[Connection] = set()
+        self.stopping = False
+        self._servers: list[asyncio.Server] = []
+        self._sweeper: asyncio.Task[None] | None = None
+
+    async def start(self, sockets: list[socket.socket]) -> None:
+        loop = asyncio.get_running_loop()
+        for sock in sockets:
+            srv = await loop.create_server(lambda: Connection(self), sock=sock)
+            self._servers.append(srv)
+        self._sweeper = loop.create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            now = time.monotonic()
+            for conn in list(self.connections):
+                conn.check_deadline(now)
+
+    def stop_accepting(self) -> None:
+        for srv in self._servers:
+            srv.close()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Stop accepting, let in-flight requests finish; True if all did in time."""
+        self.stopping = True
+        self.stop_accepting()
+        deadline = time.monotonic() + timeout_s
+        while self.connections and time.monotonic() < deadline:
+            for conn in list(self.connections):
+                conn.stop()
+            await asyncio.sleep(0.01)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        return not self.connections

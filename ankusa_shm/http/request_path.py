@@ -1,0 +1,146 @@
+"""The request path: ``POST /hooks/{source}`` from parsed request to answer.
+
+Route, verify, derive the event key, admit, commit, settle, answer -- in that order, so a
+forgery costs the tenant nothing and a hook is answered 201 only once it is durable. The
+settle step is a push onto the shared-memory queue, never a wait on Redis.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ankusa_shm.config import Config, Source, SourceDedupe
+from ankusa_shm.fleet.admission import Admit, DedupePending, Duplicate, Fleet, RateLimited
+from ankusa_shm.hooks import (
+    AlreadyStored,
+    CommitResult,
+    Committed,
+    Envelope,
+    NewHook,
+    new_hook_id,
+)
+from ankusa_shm.http.event_key import KeyFinder, key_finder_for
+from ankusa_shm.http.protocol import Request, Response, error_body
+from ankusa_shm.http.verify import Verifier, verifier_for
+from ankusa_shm.shm.counters import Counter, CounterRow
+from ankusa_shm.store.writer import Writer
+
+PREFIX = b"/hooks/"
+
+# Headers not kept with a stored hook: credentials, and how this one connection was framed.
+_NOT_KEPT = frozenset(
+    {
+        "authorization",
+        "proxy-authorization",
+        "cookie",
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "te",
+        "upgrade",
+        "content-length",
+        "expect",
+    }
+)
+
+
+def _fixed(status: int, error: str, *headers: tuple[bytes, bytes]) -> Response:
+    return Response(status, error_body(error), headers)
+
+
+NOT_FOUND = _fixed(404, "not_found")
+UNKNOWN_SOURCE = _fixed(404, "unknown_source")
+NOT_ALLOWED = _fixed(405, "method_not_allowed", (b"allow", b"POST"))
+BAD_SIGNATURE = _fixed(401, "bad_signature")
+STORE_UNAVAILABLE = _fixed(503, "store_unavailable", (b"retry-after", b"1"))
+
+
+def accepted(hook_id: str, duplicate: bool = False) -> Response:
+    tail = b'","duplicate":true}' if duplicate else b'"}'
+    return Response(201, b'{"status":"accepted","id":"' + hook_id.encode() + tail)
+
+
+def retry_later(status: int, error: str, retry_ms: int) -> Response:
+    seconds = max(1, -(-retry_ms // 1000))
+    return _fixed(status, error, (b"retry-after", str(seconds).encode()))
+
+
+@dataclass(frozen=True)
+class Route:
+    """One source, with what its requests need precomputed at start."""
+
+    source: Source
+    verifier: Verifier | None
+    key_finder: KeyFinder | None
+    dedupe_ttl_s: int
+
+
+def routes(cfg: Config) -> dict[bytes, Route]:
+    """Every source's route, secrets read now (``MissingSecret`` is a boot failure)."""
+    return {
+        s.id.encode(): Route(
+            s, verifier_for(s), key_finder_for(s), (s.dedupe or SourceDedupe()).ttl_seconds
+        )
+        for s in cfg.sources
+    }
+
+
+class RequestPath:
+    def __init__(
+        self,
+        cfg: Config,
+        fleet: Fleet,
+        writer: Writer,
+        row: CounterRow,
+        wall_s: Callable[[], float] = time.time,
+    ) -> None:
+        self._routes = routes(cfg)
+        self._fleet = fleet
+        self._writer = writer
+        self._row = row
+        self._wall_s = wall_s
+
+    async def __call__(self, req: Request) -> Response:
+        if not req.path.startswith(PREFIX):
+            return NOT_FOUND
+        if req.method != b"POST":
+            return NOT_ALLOWED
+        route = self._routes.get(req.path[len(PREFIX) :])
+        if route is None:
+            return UNKNOWN_SOURCE
+        self._row.add(Counter.REQUESTS)
+        pairs = tuple((n.decode("latin-1"), v.decode("latin-1")) for n, v in req.headers)
+        headers = dict(pairs)
+        now_s = self._wall_s()
+        if route.verifier is not None and not route.verifier.verify(headers, req.body, now_s):
+            return BAD_SIGNATURE
+        key = route.key_finder.find(headers, req.body) if route.key_finder else None
+        source = route.source
+        verdict = await self._fleet.admit(source, Envelope(key))
+        if isinstance(verdict, Duplicate):
+            return accepted(verdict.hook_id, duplicate=True)
+        if isinstance(verdict, RateLimited):
+            return retry_later(429, "rate_limited", verdict.retry_ms)
+        if isinstance(verdict, DedupePending):
+            return retry_later(409, "dedupe_pending", verdict.retry_ms)
+        assert isinstance(verdict, Admit)
+        wall_ms = int(now_s * 1000)
+        hook = NewHook(
+            id=new_hook_id(wall_ms),
+            tenant=source.tenant,
+            source=source.id,
+            event_key=key,
+            dedupe_ttl_s=route.dedupe_ttl_s,
+            received_ms=wall_ms,
+            headers=tuple(p for p in pairs if p[0] not in _NOT_KEPT),
+            body=req.body,
+        )
+        result: CommitResult = await self._writer.commit(hook)
+        self._fleet.settle(verdict.claim, result)
+        if isinstance(result, Committed):
+            return accepted(result.hook_id)
+        if isinstance(result, AlreadyStored):
+            return accepted(result.hook_id, duplicate=True)
+        return STORE_UNAVAILABLE

@@ -1,0 +1,211 @@
+"""Signature verification: is this hook from the provider that holds the source's secret?
+
+One verifier per source is built when a worker starts (``verifier_for``): the secret is
+read then, decoded into the HMAC key once, and never shown -- every verifier's ``repr``
+hides it. ``verify`` runs once per request, so it only splits headers, decodes the
+signature it was given and makes one HMAC call; anything malformed is simply ``False``,
+never an exception, because a forged request must not reach an error path.
+"""
+
+from __future__ import annotations
+
+import binascii
+import hmac
+from collections.abc import Mapping
+from typing import Protocol
+
+from ankusa_shm import config
+from ankusa_shm.credentials import MissingSecret, read_secret
+
+# Longest timestamp text parsed: seconds since the epoch have 10 digits until 2286, and
+# int() of an unbounded string is both slow and, past 4300 digits, an exception.
+_MAX_TS_DIGITS = 12
+
+
+class InvalidSecret(MissingSecret):
+    """The secret is there but unusable (empty, or not the base64 its scheme needs).
+
+    A subclass of ``MissingSecret`` so that a worker refuses to start on it the same way.
+    """
+
+
+class Verifier(Protocol):
+    def verify(self, headers: Mapping[str, str], body: bytes, now_s: float) -> bool:
+        """True when the request carries a valid signature of ``body``.
+
+        ``headers`` have lower-case names; ``now_s`` is the wall clock in seconds."""
+        ...
+
+
+def verifier_for(source: config.Source) -> Verifier | None:
+    """The verifier of ``source``'s scheme, or None when it verifies nothing.
+
+    Reads the secret now; raises ``MissingSecret`` (or ``InvalidSecret``) when it cannot.
+    """
+    v = source.verify
+    if v.hmac is not None:
+        h = v.hmac
+        return HmacVerifier(_secret_bytes(source, h), h.header, h.prefix, h.algorithm, h.encoding)
+    if v.standard_webhooks is not None:
+        key = _whsec_key(source, v.standard_webhooks)
+        return StandardWebhooksVerifier(key, "webhook-", v.standard_webhooks.tolerance_s)
+    if v.svix is not None:
+        key = _whsec_key(source, v.svix)
+        return StandardWebhooksVerifier(key, "svix-", v.svix.tolerance_s)
+    if v.stripe is not None:
+        # Stripe keys its HMAC with the secret's text itself, whsec_ prefix included.
+        return StripeVerifier(_secret_bytes(source, v.stripe), v.stripe.tolerance_s)
+    return None
+
+
+class HmacVerifier:
+    """An HMAC of the body in one header: ``<prefix><digest>``, hex (GitHub) or base64
+    (Shopify)."""
+
+    __slots__ = ("_base64", "_digest", "_header", "_key", "_prefix")
+
+    def __init__(self, key: bytes, header: str, prefix: str, digest: str, encoding: str) -> None:
+        self._key = key
+        self._header = header.lower()
+        self._prefix = prefix
+        self._digest = digest
+        self._base64 = encoding == "base64"
+
+    def verify(self, headers: Mapping[str, str], body: bytes, now_s: float) -> bool:
+        value = headers.get(self._header)
+        if value is None or not value.startswith(self._prefix):
+            return False
+        text = value[len(self._prefix) :]
+        given = _unbase64(text) if self._base64 else _unhex(text)
+        if given is None:
+            return False
+        return hmac.compare_digest(hmac.digest(self._key, body, self._digest), given)
+
+    def __repr__(self) -> str:
+        return (
+            f"HmacVerifier(header={self._header!r}, prefix={self._prefix!r}, "
+            f"algorithm={self._digest!r}, base64={self._base64}, key=<hidden>)"
+        )
+
+
+class StandardWebhooksVerifier:
+    """Standard Webhooks (and Svix, its origin, under ``svix-`` names): HMAC-SHA256 of
+    ``{id}.{timestamp}.{body}``, base64, in a space-separated list of ``v1,<sig>``
+    entries so a sender can sign with an old and a new secret while rotating."""
+
+    __slots__ = ("_id", "_key", "_signature", "_timestamp", "_tolerance_s")
+
+    def __init__(self, key: bytes, header_prefix: str, tolerance_s: float) -> None:
+        self._key = key
+        self._id = header_prefix + "id"
+        self._timestamp = header_prefix + "timestamp"
+        self._signature = header_prefix + "signature"
+        self._tolerance_s = tolerance_s
+
+    def verify(self, headers: Mapping[str, str], body: bytes, now_s: float) -> bool:
+        msg_id = headers.get(self._id)
+        ts = headers.get(self._timestamp)
+        signatures = headers.get(self._signature)
+        if msg_id is None or ts is None or signatures is None or not msg_id.isascii():
+            return False
+        if not _fresh(ts, now_s, self._tolerance_s):
+            return False
+        signed = b"%b.%b.%b" % (msg_id.encode(), ts.encode(), body)
+        expected = hmac.digest(self._key, signed, "sha256")
+        for entry in signatures.split(" "):
+            version, _, text = entry.partition(",")
+            if version == "v1":
+                given = _unbase64(text)
+                if given is not None and hmac.compare_digest(expected, given):
+                    return True
+        return False
+
+    def __repr__(self) -> str:
+        return (
+            f"StandardWebhooksVerifier(signature={self._signature!r}, "
+            f"tolerance_s={self._tolerance_s}, key=<hidden>)"
+        )
+
+
+class StripeVerifier:
+    """Stripe: ``Stripe-Signature: t=<ts>,v1=<hex>[,v1=<hex>...]``, HMAC-SHA256 hex of
+    ``{t}.{body}``. Other schemes in the header (v0, ...) are ignored, as Stripe asks."""
+
+    __slots__ = ("_key", "_tolerance_s")
+
+    def __init__(self, key: bytes, tolerance_s: float) -> None:
+        self._key = key
+        self._tolerance_s = tolerance_s
+
+    def verify(self, headers: Mapping[str, str], body: bytes, now_s: float) -> bool:
+        value = headers.get("stripe-signature")
+        if value is None:
+            return False
+        items = value.split(",")
+        ts = next((item[2:] for item in items if item.startswith("t=")), None)
+        if ts is None or not _fresh(ts, now_s, self._tolerance_s):
+            return False
+        expected = hmac.digest(self._key, b"%b.%b" % (ts.encode(), body), "sha256")
+        for item in items:
+            if item.startswith("v1="):
+                given = _unhex(item[3:])
+                if given is not None and hmac.compare_digest(expected, given):
+                    return True
+        return False
+
+    def __repr__(self) -> str:
+        return f"StripeVerifier(tolerance_s={self._tolerance_s}, key=<hidden>)"
+
+
+def _fresh(ts: str, now_s: float, tolerance_s: float) -> bool:
+    """``ts`` is whole seconds (ASCII digits only) within ``tolerance_s`` of now: a replayed
+    old request fails, and so does one stamped by a sender's clock far ahead."""
+    if not (0 < len(ts) <= _MAX_TS_DIGITS and ts.isascii() and ts.isdigit()):
+        return False
+    return abs(now_s - int(ts)) <= tolerance_s
+
+
+def _unhex(text: str) -> bytes | None:
+    # binascii, not bytes.fromhex, which would skip whitespace inside the digest.
+    try:
+        return binascii.a2b_hex(text)
+    except ValueError:  # odd length, a non-hex digit, a non-ASCII character
+        return None
+
+
+def _unbase64(text: str) -> bytes | None:
+    try:
+        return binascii.a2b_base64(text, strict_mode=True)
+    except ValueError:  # binascii.Error, or a non-ASCII character
+        return None
+
+
+def _secret(source: config.Source, spec: config.SignatureScheme) -> str:
+    secret = read_secret(spec.secret_env, spec.secret_file)
+    if not secret:
+        raise InvalidSecret(f"source {source.id}: the secret from {_origin(spec)} is empty")
+    return secret
+
+
+def _secret_bytes(source: config.Source, spec: config.SignatureScheme) -> bytes:
+    # surrogateescape: an environment variable's bytes come back as they were set.
+    return _secret(source, spec).encode("utf-8", "surrogateescape")
+
+
+def _whsec_key(source: config.Source, spec: config.StandardWebhooks) -> bytes:
+    """The key of a Standard Webhooks secret: the base64 after ``whsec_`` (or the whole
+    secret, when given without the prefix), decoded."""
+    secret = _secret(source, spec).removeprefix("whsec_")
+    key = _unbase64(secret)
+    if not key:
+        raise InvalidSecret(
+            f"source {source.id}: the secret from {_origin(spec)} is not whsec_<base64>"
+        )
+    return key
+
+
+def _origin(spec: config.SignatureScheme) -> str:
+    """Where the secret came from, for an error message: its name, never its value."""
+    if spec.secret_env:
+        return f"environment variable {spec.secret_env}"
+    return f"file {spec.secret_file}"

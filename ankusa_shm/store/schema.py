@@ -1,0 +1,107 @@
+"""Opening the host's hook store: the pragmas every connection needs and the schema.
+
+One SQLite file in WAL mode, so readers never block the writer and a commit is one append
+to the log (plus one fsync under ``durability = "fsync"``). The file carries an
+application id and a schema version; a file that is someone else's database, or was
+written by a newer ankusa-shm, is refused rather than altered.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Literal
+
+APPLICATION_ID = 0x616E6B75  # "anku": marks the file as an ankusa-shm store
+VERSION = 1
+
+# ``seq`` is the commit order and the future consumer cursor. AUTOINCREMENT because a
+# cursor must never see a number twice: without it SQLite may hand out the largest seq
+# again once that row is deleted (retention will delete rows). Writers are serialized,
+# so seqs are assigned in commit order and a reader's snapshot always holds a prefix.
+_SCHEMA = """
+CREATE TABLE hooks (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    tenant TEXT NOT NULL,
+    source TEXT NOT NULL,
+    event_key BLOB,
+    received_ms INTEGER NOT NULL,
+    headers TEXT NOT NULL,
+    body BLOB NOT NULL
+);
+CREATE TABLE dedupe (
+    source TEXT NOT NULL,
+    event_key BLOB NOT NULL,
+    hook_id TEXT NOT NULL,
+    expires_ms INTEGER NOT NULL,
+    PRIMARY KEY (source, event_key)
+) WITHOUT ROWID;
+CREATE INDEX dedupe_expires ON dedupe (expires_ms);
+"""
+
+Durability = Literal["fsync", "os"]
+_SYNCHRONOUS: dict[str, str] = {"fsync": "FULL", "os": "NORMAL"}
+
+
+class StoreError(Exception):
+    """The store cannot be used at all; one line that names the file."""
+
+
+def lock_path(path: str | Path) -> Path:
+    """The file whose ``flock`` serializes this store's writers across processes."""
+    return Path(f"{path}.lock")
+
+
+def connect(path: str | Path, durability: Durability, busy_timeout_ms: int) -> sqlite3.Connection:
+    """A read-write connection in WAL mode, creating the file (not the schema) if needed.
+
+    ``isolation_level=None``: the writer issues BEGIN IMMEDIATE and COMMIT itself, so the
+    write lock is taken at a moment it chooses, not at the first INSERT.
+    """
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=True)
+    try:
+        conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise sqlite3.OperationalError(f"journal_mode is {mode}, not wal")
+        conn.execute(f"PRAGMA synchronous = {_SYNCHRONOUS[durability]}")
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def connect_ro(path: str | Path, busy_timeout_ms: int = 1_000) -> sqlite3.Connection:
+    """A read-only connection (``mode=ro``): it can never take the write lock."""
+    uri = Path(path).absolute().as_uri() + "?mode=ro"
+    conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=True)
+    conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+    return conn
+
+
+def ensure_schema(conn: sqlite3.Connection, path: str | Path) -> None:
+    """Create the tables in a new file; accept a file of this version; refuse the rest.
+
+    Runs in one BEGIN IMMEDIATE transaction, so processes starting together create the
+    tables once and never see half of them.
+    """
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        tables = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
+        if app_id == 0 and version == 0 and tables == 0:
+            for statement in filter(str.strip, _SCHEMA.split(";")):
+                conn.execute(statement)
+            conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+            conn.execute(f"PRAGMA user_version = {VERSION}")
+        elif app_id != APPLICATION_ID:
+            raise StoreError(f"{path}: not an ankusa-shm hook store")
+        elif version != VERSION:
+            raise StoreError(f"{path}: store version {version}, this build reads {VERSION}")
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise

@@ -1,0 +1,501 @@
+"""The group-commit writer: one thread per request worker that makes hooks durable.
+
+``commit()`` puts a hook on an in-process queue and awaits its answer; one dedicated thread
+with its own SQLite connection turns whatever is queued into one transaction -- one append
+to the WAL and one fsync for up to ``max_batch`` hooks -- and hands every answer of the
+batch back to the event loop in one ``call_soon_threadsafe``.
+
+Several worker processes write the same file. SQLite's own busy handler sleeps and retries,
+and a writer that keeps losing the retry starves; so writers take turns on a kernel lock
+instead, ``flock`` on ``<db>.lock``: a waiter is woken the moment the holder lets go, and
+a holder that dies lets go by dying. It is held from BEGIN IMMEDIATE to COMMIT only.
+
+Hooks leave the queue only once their transaction has begun. Until then the event loop
+may give up on them: a hook that has waited ``lock_timeout_ms`` is answered
+``NotStored("store_unavailable")`` and taken off the queue, so it is never written after
+its sender was told it was not. (A commit whose caller is cancelled is not taken off: it
+may still be stored.)
+
+A store that cannot write (disk full, read-only, I/O error, locked past the bound) answers
+``NotStored`` for the hooks it had and keeps serving: the transaction is rolled back and
+the connection reopened before the next one. Between batches the same thread sweeps
+expired rows out of the dedupe index, a few hundred per transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import fcntl
+import json
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ankusa_shm import config
+from ankusa_shm.hooks import AlreadyStored, CommitResult, Committed, NewHook, NotStored
+from ankusa_shm.store import schema
+from ankusa_shm.store.schema import StoreError
+
+__all__ = ["SWEEP_ROWS", "UNAVAILABLE", "StoreError", "Writer", "WriterStats"]
+
+UNAVAILABLE = NotStored("store_unavailable")
+DUPLICATE_ID = NotStored("duplicate_id")
+SWEEP_ROWS = 500  # index rows deleted per sweep transaction: a few ms of lock at most
+_BUSY_PAUSE_S = 0.01  # after SQLITE_BUSY, so a holder that refuses at once is not spun on
+_BOOT_POLL_S = 0.005
+_NEVER = 1 << 62
+
+WallClock = Callable[[], int]
+"""Returns wall-clock milliseconds since the epoch; tests inject their own."""
+
+
+def wall_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+_SELECT_KEY = "SELECT hook_id, expires_ms FROM dedupe WHERE source = ? AND event_key = ?"
+_INSERT_HOOK = (
+    "INSERT INTO hooks (id, tenant, source, event_key, received_ms, headers, body)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
+_PUT_KEY = (
+    "INSERT OR REPLACE INTO dedupe (source, event_key, hook_id, expires_ms) VALUES (?, ?, ?, ?)"
+)
+_SWEEP = (
+    "DELETE FROM dedupe WHERE (source, event_key) IN"
+    " (SELECT source, event_key FROM dedupe WHERE expires_ms <= ? LIMIT ?)"
+)
+
+
+@dataclass(slots=True)
+class WriterStats:
+    """What the writer has done, for tests and metrics. The thread updates each figure
+    alone (``expired`` under the queue's mutex); a reader may see one a moment late."""
+
+    batches: int = 0  # transactions that wrote hooks
+    hooks: int = 0  # hooks in those transactions
+    largest: int = 0  # hooks in the largest of them
+    committed: int = 0
+    already_stored: int = 0
+    not_stored: int = 0  # answered NotStored by a failed transaction or open
+    expired: int = 0  # given up on before their transaction began
+    failures: int = 0  # transactions or opens that failed
+    reopens: int = 0
+    sweeps: int = 0  # sweep runs finished
+    swept: int = 0  # index rows they deleted
+
+
+@dataclass(slots=True)
+class _Item:
+    hook: NewHook
+    future: asyncio.Future[CommitResult]
+    submitted_ns: int  # monotonic
+
+
+Answers = list[tuple[asyncio.Future[Any], Any]]
+
+
+def _settle(answers: Answers) -> None:
+    """On the event loop: hand each waiting caller its answer (a cancelled one is gone)."""
+    for future, answer in answers:
+        if not future.done():
+            future.set_result(answer)
+
+
+def _busy(e: sqlite3.Error) -> bool:
+    code = getattr(e, "sqlite_errorcode", 0) & 0xFF
+    return code in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+
+
+class _WriteLock:
+    """``flock`` on ``<db>.lock``, the turn-taking between this store's writer processes."""
+
+    def __init__(self, path: Path) -> None:
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+    def acquire(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def acquire_within(self, timeout_s: float) -> bool:
+        """Poll for the lock; only at boot, where a stuck holder must not hang us."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(_BOOT_POLL_S)
+
+    def release(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class Writer:
+    """The store's writer for one worker process: create it after fork, ``start`` it on the
+    worker's event loop, call ``commit`` only from that loop, ``close`` it once."""
+
+    def __init__(self, cfg: config.Store, wall: WallClock = wall_ms) -> None:
+        self.cfg = cfg
+        self.path = Path(cfg.path)
+        self.stats = WriterStats()
+        self._wall = wall
+        self._timeout_ns = cfg.lock_timeout_ms * 1_000_000
+        self._wait_ns = cfg.commit_wait_ms * 1_000_000
+        self._max_batch = cfg.max_batch
+        # Shared between the loop and the thread, under _cond:
+        self._cond = threading.Condition(threading.Lock())
+        self._queue: collections.deque[_Item] = collections.deque()
+        self._wake_at = _NEVER  # queue length at which commit() wakes the thread
+        self._stopping = False
+        self._sweep_waiters: list[asyncio.Future[int]] = []
+        # The event loop's:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._accepting = False
+        self._expiry: asyncio.TimerHandle | None = None
+        self._done: asyncio.Future[None] | None = None
+        self._thread: threading.Thread | None = None
+        # The thread's:
+        self._conn: sqlite3.Connection | None = None
+        self._lock: _WriteLock | None = None
+
+    # -- the event loop's side ---------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Open the store (creating its directory and tables) and start the writer thread.
+
+        Raises ``StoreError`` if the store cannot be opened: a worker without its store
+        must not serve.
+        """
+        if self._thread is not None:
+            raise RuntimeError("Writer.start called twice")
+        self._loop = loop
+        self._done = loop.create_future()
+        opened = threading.Event()
+        failure: list[StoreError] = []
+        self._thread = threading.Thread(
+            target=self._run, args=(opened, failure), name="ankusa-store-writer", daemon=True
+        )
+        self._thread.start()
+        opened.wait()
+        if failure:
+            self._thread.join()
+            raise failure[0]
+        self._accepting = True
+
+    async def commit(self, hook: NewHook) -> CommitResult:
+        """Store ``hook`` with the next batch. Never raises for the store's sake: a store
+        that cannot take it answers ``NotStored("store_unavailable")``."""
+        loop = self._loop
+        if not self._accepting or loop is None:
+            return UNAVAILABLE
+        future: asyncio.Future[CommitResult] = loop.create_future()
+        with self._cond:
+            self._queue.append(_Item(hook, future, time.monotonic_ns()))
+            if len(self._queue) >= self._wake_at:
+                self._cond.notify()
+        if self._expiry is None:
+            self._expiry = loop.call_later(self.cfg.lock_timeout_ms / 1000, self._expire)
+        return await future
+
+    async def sweep(self) -> int:
+        """Delete every index row expired by now (in small transactions); how many went.
+        The thread does this by itself every ``sweep_interval_s``."""
+        loop = self._loop
+        if not self._accepting or loop is None:
+            return 0
+        future: asyncio.Future[int] = loop.create_future()
+        with self._cond:
+            self._sweep_waiters.append(future)
+            self._cond.notify()
+        return await future
+
+    async def close(self) -> None:
+        """Write everything already submitted, then stop the thread and close the store.
+
+        Waits at most ``cfg.close_wait_s``: a thread still waiting then for a stuck foreign
+        holder of the lock has nothing left to write (every hook it had was given up on)
+        and exits by itself once it gets its turn.
+        """
+        self._accepting = False
+        thread, done = self._thread, self._done
+        if thread is None or done is None or not thread.is_alive():
+            return
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(done), self.cfg.close_wait_s)
+
+    def _expire(self) -> None:
+        """Timer: answer the hooks that have waited ``lock_timeout_ms`` for a transaction."""
+        self._expiry = None
+        now = time.monotonic_ns()
+        gone: list[_Item] = []
+        with self._cond:
+            queue = self._queue
+            while queue and now - queue[0].submitted_ns >= self._timeout_ns:
+                gone.append(queue.popleft())
+            self.stats.expired += len(gone)
+            next_ns = queue[0].submitted_ns + self._timeout_ns - now if queue else None
+        _settle([(item.future, UNAVAILABLE) for item in gone])
+        if next_ns is not None and self._loop is not None:
+            delay = max(0.001, next_ns / 1e9)
+            self._expiry = self._loop.call_later(delay, self._expire)
+
+    # -- the thread's side -------------------------------------------------------------------
+
+    def _run(self, opened: threading.Event, failure: list[StoreError]) -> None:
+        try:
+            self._boot()
+        except StoreError as e:
+            failure.append(e)
+            opened.set()
+            return
+        opened.set()
+        try:
+            self._serve()
+        finally:
+            self._drop_connection()
+            if self._lock is not None:
+                self._lock.close()
+            if self._done is not None:
+                self._hand_back([(self._done, None)])
+
+    def _boot(self) -> None:
+        """Open the lock file and the store with the lock held, so processes starting
+        together create the tables once; bounded, so a stuck holder fails the boot."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._lock = _WriteLock(schema.lock_path(self.path))
+        except OSError as e:
+            raise StoreError(f"{self.path}: cannot open: {e.strerror}") from None
+        if not self._lock.acquire_within(self.cfg.lock_timeout_ms / 1000):
+            self._lock.close()
+            raise StoreError(
+                f"{self.path}: another writer held the lock for over {self.cfg.lock_timeout_ms} ms"
+            )
+        try:
+            self._conn = self._connect()
+        except StoreError:
+            self._lock.release()
+            self._lock.close()
+            raise
+        self._lock.release()
+
+    def _connect(self) -> sqlite3.Connection:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            conn = schema.connect(self.path, self.cfg.durability, self.cfg.lock_timeout_ms)
+        except OSError as e:
+            raise StoreError(f"{self.path}: cannot open: {e.strerror}") from None
+        except sqlite3.Error as e:
+            raise StoreError(f"{self.path}: cannot open: {e}") from None
+        try:
+            schema.ensure_schema(conn, self.path)
+        except sqlite3.Error as e:
+            conn.close()
+            raise StoreError(f"{self.path}: cannot open: {e}") from None
+        except StoreError:
+            conn.close()
+            raise
+        return conn
+
+    def _drop_connection(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(sqlite3.Error):
+                self._conn.close()
+            self._conn = None
+
+    def _serve(self) -> None:
+        interval = self.cfg.sweep_interval_s
+        sweep_at = time.monotonic() + interval
+        swept: int | None = None  # rows deleted so far by the sweep run under way
+        while True:
+            with self._cond:
+                if self._sweep_waiters:
+                    sweep_at = 0.0
+                self._wait_for_work(sweep_at if swept is None else 0.0)
+                hooks, stopping = bool(self._queue), self._stopping
+            if hooks:
+                self._write_batch()
+            elif stopping:
+                break
+            if not stopping and (swept is not None or time.monotonic() >= sweep_at):
+                deleted = self._sweep_pass()
+                swept = (swept or 0) + (deleted or 0)
+                if deleted != SWEEP_ROWS:  # the run is over (or failed: try next time)
+                    self.stats.sweeps += 1
+                    self._finish_sweep(swept)
+                    swept, sweep_at = None, time.monotonic() + interval
+        self._finish_sweep(swept or 0)
+
+    def _wait_for_work(self, sweep_at: float) -> None:
+        """Under ``_cond``: sleep until hooks arrive, a sweep is due or asked for, or stop;
+        then give the first hook's batch up to ``commit_wait_ms`` to fill."""
+        while not (self._queue or self._stopping or self._sweep_waiters):
+            left = sweep_at - time.monotonic()
+            if left <= 0:
+                break
+            self._wake_at = 1
+            self._cond.wait(left)
+        if self._queue and self._wait_ns and not self._stopping:
+            until = self._queue[0].submitted_ns + self._wait_ns
+            self._wake_at = self._max_batch
+            while len(self._queue) < self._max_batch and not self._stopping:
+                left_ns = until - time.monotonic_ns()
+                if left_ns <= 0:
+                    break
+                self._cond.wait(left_ns / 1e9)
+        self._wake_at = _NEVER
+
+    def _take(self, everything: bool) -> tuple[list[_Item], list[_Item]]:
+        """Take the next batch off the queue (all of it when ``everything``), and apart from
+        it the hooks that waited too long to be written now."""
+        now = time.monotonic_ns()
+        batch: list[_Item] = []
+        late: list[_Item] = []
+        with self._cond:
+            queue = self._queue
+            while queue and (everything or len(batch) < self._max_batch):
+                item = queue.popleft()
+                (late if now - item.submitted_ns >= self._timeout_ns else batch).append(item)
+            self.stats.expired += len(late)
+        return batch, late
+
+    def _hand_back(self, answers: Answers) -> None:
+        if answers and self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: no one waits
+                self._loop.call_soon_threadsafe(_settle, answers)
+
+    def _write_batch(self) -> None:
+        assert self._lock is not None
+        self._lock.acquire()
+        try:
+            answers = self._transaction()
+        finally:
+            self._lock.release()
+        self._hand_back(answers)
+
+    def _begin(self) -> sqlite3.Connection | None:
+        """With the lock held: reopen if needed and BEGIN IMMEDIATE; None if that failed
+        (the connection is dropped unless the store was merely busy)."""
+        if self._conn is None:
+            try:
+                self._conn = self._connect()
+            except StoreError:
+                self.stats.failures += 1
+                return None
+            self.stats.reopens += 1
+        try:
+            self._conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as e:
+            self.stats.failures += 1
+            if _busy(e):
+                time.sleep(_BUSY_PAUSE_S)
+            else:
+                self._drop_connection()
+            return None
+        return self._conn
+
+    def _fail(self, conn: sqlite3.Connection, e: sqlite3.Error) -> None:
+        self.stats.failures += 1
+        with contextlib.suppress(sqlite3.Error):
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+        if not _busy(e):
+            self._drop_connection()
+
+    def _transaction(self) -> Answers:
+        """One transaction of up to ``max_batch`` hooks, with the lock held."""
+        conn = self._begin()
+        if conn is None:
+            if self._conn is not None:  # busy: leave the hooks queued for the timer
+                return []
+            batch, late = self._take(everything=True)
+            self.stats.not_stored += len(batch)
+            return [(item.future, UNAVAILABLE) for item in batch + late]
+        batch, late = self._take(everything=False)
+        answers: Answers = [(item.future, UNAVAILABLE) for item in late]
+        if not batch:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            return answers
+        try:
+            results = self._insert(conn, [item.hook for item in batch])
+            conn.execute("COMMIT")
+        except sqlite3.Error as e:
+            self._fail(conn, e)
+            self.stats.not_stored += len(batch)
+            results = [UNAVAILABLE] * len(batch)
+        else:
+            s = self.stats
+            s.batches += 1
+            s.hooks += len(batch)
+            s.largest = max(s.largest, len(batch))
+            s.committed += sum(isinstance(r, Committed) for r in results)
+            s.already_stored += sum(isinstance(r, AlreadyStored) for r in results)
+        answers.extend((item.future, r) for item, r in zip(batch, results, strict=True))
+        return answers
+
+    def _insert(self, conn: sqlite3.Connection, hooks: Sequence[NewHook]) -> list[CommitResult]:
+        """The hooks and their index rows, in order, so a key's first hook in the batch is
+        the one stored. The window starts when the hook is stored, as Redis's does."""
+        now = self._wall()
+        results: list[CommitResult] = []
+        for h in hooks:
+            if h.event_key is not None:
+                row = conn.execute(_SELECT_KEY, (h.source, h.event_key)).fetchone()
+                if row is not None and row[1] > now:
+                    results.append(AlreadyStored(row[0]))
+                    continue
+            headers = json.dumps(h.headers, separators=(",", ":"))
+            try:
+                conn.execute(
+                    _INSERT_HOOK,
+                    (h.id, h.tenant, h.source, h.event_key, h.received_ms, headers, h.body),
+                )
+            except sqlite3.IntegrityError:  # the id is taken: a caller's bug, not the store's
+                results.append(DUPLICATE_ID)
+                continue
+            if h.event_key is not None:
+                expires = now + h.dedupe_ttl_s * 1000
+                conn.execute(_PUT_KEY, (h.source, h.event_key, h.id, expires))
+            results.append(Committed(h.id))
+        return results
+
+    def _sweep_pass(self) -> int | None:
+        """Delete up to ``SWEEP_ROWS`` expired index rows in one transaction; None if the
+        store could not be written."""
+        assert self._lock is not None
+        self._lock.acquire()
+        try:
+            conn = self._begin()
+            if conn is None:
+                return None
+            try:
+                deleted = conn.execute(_SWEEP, (self._wall(), SWEEP_ROWS)).rowcount
+                conn.execute("COMMIT")
+            except sqlite3.Error as e:
+                self._fail(conn, e)
+                return None
+        finally:
+            self._lock.release()
+        self.stats.swept += deleted
+        return deleted
+
+    def _finish_sweep(self, swept: int) -> None:
+        with self._cond:
+            waiters, self._sweep_waiters = self._sweep_waiters, []
+        self._hand_back([(w, swept) for w in waiters])

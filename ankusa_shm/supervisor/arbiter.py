@@ -1,0 +1,488 @@
+"""The supervisor: owns the segment and the sockets, forks and watches the children.
+
+Signal handlers only enqueue; one main loop does everything else, woken by the signal
+pipe, a child's readiness pipe or a one-second tick: reap with ``waitpid(-1, WNOHANG)``,
+handle what was signalled, keep the right children running, and stop a child whose
+heartbeat in the segment went silent (SIGABRT, then SIGKILL after ``KILL_AFTER_S``).
+
+- TERM: stop accepting, let the workers finish in-flight requests, then let the drainer
+  empty the settle queue; exit 0 within ``server.graceful_timeout_s`` (what is still
+  running then is killed). INT/QUIT: the same without waiting.
+- HUP: read and validate the config again; an invalid one is logged and the old one
+  keeps serving. Workers are replaced one at a time -- a new one serves before an old
+  one is told to stop -- so no connection is refused. A new worker that cannot boot
+  abandons the reload (the old ones keep serving).
+- TTIN/TTOU: one worker more / less.
+- A child that exits ``BOOT_ERROR`` when nothing else could serve stops the supervisor
+  with its message instead of a respawn loop; any other death is respawned, with
+  backoff when it keeps dying young.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import errno
+import logging
+import os
+import select
+import signal
+import socket
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from ankusa_shm import child, config
+from ankusa_shm.clock import monotonic_ms
+from ankusa_shm.config import Config
+from ankusa_shm.shm import procs
+from ankusa_shm.shm.procs import Role
+from ankusa_shm.shm.segment import Segment, make_params
+from ankusa_shm.supervisor import sockets as socks
+from ankusa_shm.supervisor.notify import Notifier
+
+log = logging.getLogger("ankusa_shm.supervisor")
+
+KILL_AFTER_S = 2.0  # SIGABRT, then SIGKILL if it is still there
+FAST_STOP_S = 2.0  # INT/QUIT: how long children get before SIGKILL
+YOUNG_S = 1.0  # a child dying younger than this backs off its respawn
+BACKOFF_MAX_S = 5.0
+TICK_S = 1.0
+
+_HANDLED = (
+    signal.SIGTERM,
+    signal.SIGINT,
+    signal.SIGQUIT,
+    signal.SIGHUP,
+    signal.SIGTTIN,
+    signal.SIGTTOU,
+    signal.SIGCHLD,
+)
+
+
+class Kind(enum.Enum):
+    WORKER = "worker"
+    DRAINER = "drainer"
+
+
+@dataclass(eq=False)
+class Child:
+    pid: int
+    kind: Kind
+    cfg: Config  # the configuration it was forked with: current while it is ``self.cfg``
+    started: float  # monotonic s
+    ready_fd: int | None  # read end of the readiness pipe, until the child is ready
+    ready: bool = False
+    retiring: bool = False  # told to stop
+    abort_sent: float | None = None  # monotonic s of the SIGABRT for a silent heartbeat
+
+
+@dataclass
+class _Backoff:
+    delay: float = 0.0
+    not_before: float = 0.0
+
+
+@dataclass
+class _Stop:
+    graceful: bool
+    deadline: float
+    drainer_told: bool = False
+
+
+@dataclass
+class Arbiter:
+    cfg: Config
+    config_path: str | None
+    notifier: Notifier = field(default_factory=Notifier)
+
+    def __post_init__(self) -> None:
+        self._children: dict[int, Child] = {}
+        self._signals: deque[int] = deque()
+        self._previous: Config | None = None  # the config a failed reload goes back to
+        self._target = _worker_count(self.cfg)
+        self._backoff = {k: _Backoff() for k in Kind}
+        self._stop: _Stop | None = None
+        self._halt: str | None = None
+        self._announced_ready = False
+        self._last_watchdog = 0.0
+        self._seg: Segment | None = None
+        self._sockets: list[socket.socket] = []
+        self._wake_r, self._wake_w = -1, -1
+
+    # -- the life of the supervisor -------------------------------------------------------
+
+    def run(self) -> int:
+        cfg = self.cfg
+        self._seg = Segment.open_for_owner(
+            cfg.server.segment, make_params(cfg.fleet.settle_queue_size)
+        )
+        try:
+            self._seg.write_config(cfg.public())
+            self._sockets = socks.from_systemd() or socks.bind(
+                cfg.server.listen, cfg.server.backlog
+            )
+            self._install_signals()
+            log.info(
+                "serving on %s with %d workers (segment %s, store %s)",
+                socks.describe(self._sockets),
+                self._target,
+                self._seg.name,
+                cfg.store.path,
+            )
+            return self._loop()
+        finally:
+            for s in self._sockets:
+                s.close()
+            self.notifier.close()
+            self._seg.close()
+
+    def _loop(self) -> int:
+        while True:
+            while self._signals:
+                self._on_signal(self._signals.popleft())
+            self._reap()
+            now = time.monotonic()
+            if self._halt is not None and self._stop is None:
+                log.error("stopping: %s", self._halt)
+                self._begin_stop(graceful=False)
+            if self._stop is not None:
+                if self._advance_stop(now):
+                    return 1 if self._halt else 0
+                self._wait()
+                continue
+            self._keep_running(now)
+            self._watch_heartbeats(now)
+            self._report(now)
+            self._wait()
+
+    def _wait(self) -> None:
+        fds = [self._wake_r]
+        fds += [c.ready_fd for c in self._children.values() if c.ready_fd is not None]
+        try:
+            readable, _, _ = select.select(fds, [], [], TICK_S)
+        except InterruptedError:
+            return
+        for fd in readable:
+            if fd == self._wake_r:
+                with contextlib.suppress(BlockingIOError):
+                    while os.read(self._wake_r, 4096):
+                        pass
+                continue
+            self._on_ready_pipe(fd)
+
+    # -- signals ----------------------------------------------------------------------------
+
+    def _install_signals(self) -> None:
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        for sig in _HANDLED:
+            signal.signal(sig, self._enqueue)
+
+    def _enqueue(self, signum: int, _frame: object) -> None:
+        self._signals.append(signum)
+
+    def _on_signal(self, sig: int) -> None:
+        if sig == signal.SIGCHLD:
+            return  # reaped right after
+        if sig == signal.SIGTERM:
+            self._begin_stop(graceful=True)
+        elif sig in (signal.SIGINT, signal.SIGQUIT):
+            self._begin_stop(graceful=False)
+        elif self._stop is not None:
+            return
+        elif sig == signal.SIGHUP:
+            self._reload()
+        elif sig == signal.SIGTTIN:
+            self._target += 1
+            log.info("one worker more: %d", self._target)
+        elif sig == signal.SIGTTOU and self._target > 1:
+            self._target -= 1
+            log.info("one worker less: %d", self._target)
+
+    # -- children ---------------------------------------------------------------------------
+
+    def _spawn(self, kind: Kind) -> None:
+        assert self._seg is not None
+        ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
+        pid = os.fork()
+        if pid == 0:
+            os.close(ready_r)
+            self._in_child(kind, ready_w)
+        os.close(ready_w)
+        self._children[pid] = Child(pid, kind, self.cfg, time.monotonic(), ready_r)
+        log.info("%s %d started", kind.value, pid)
+
+    def _in_child(self, kind: Kind, ready_w: int) -> None:
+        """In the forked child: let go of what is the supervisor's, then run."""
+        parent = os.getppid()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        for c in self._children.values():
+            if c.ready_fd is not None:
+                os.close(c.ready_fd)
+        seg, cfg, listeners = self._seg, self.cfg, self._sockets
+        assert seg is not None
+        title = f"ankusa-shm: {kind.value} [{seg.name.lstrip('/')}]"
+
+        def ready() -> None:
+            os.write(ready_w, b"1")
+            os.close(ready_w)
+
+        def body() -> int:
+            from ankusa_shm import worker
+            from ankusa_shm.fleet import drainer
+
+            if kind is Kind.DRAINER:
+                for s in listeners:
+                    s.close()
+                slot = procs.claim(seg.view, seg.layout, Role.DRAINER)
+                return drainer.main(cfg, seg, slot, ready)
+            slot = procs.claim(seg.view, seg.layout, Role.WORKER)
+            return worker.main(cfg, seg, slot, listeners, ready)
+
+        child.run(title, parent, body)
+
+    def _on_ready_pipe(self, fd: int) -> None:
+        c = next((c for c in self._children.values() if c.ready_fd == fd), None)
+        if c is None:
+            return
+        data = os.read(fd, 1)
+        os.close(fd)
+        c.ready_fd = None
+        if data:
+            c.ready = True
+            log.info("%s %d serving", c.kind.value, c.pid)
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            c = self._children.pop(pid, None)
+            if c is None:
+                continue
+            if c.ready_fd is not None:
+                os.close(c.ready_fd)
+            self._on_exit(c, status)
+
+    def _on_exit(self, c: Child, status: int) -> None:
+        code = os.waitstatus_to_exitcode(status)
+        how = f"exit status {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
+        if c.retiring or self._stop is not None:
+            log.info("%s %d stopped (%s)", c.kind.value, c.pid, how)
+            return
+        if code == child.BOOT_ERROR:
+            self._on_boot_error(c)
+            return
+        log.warning("%s %d died (%s); starting another", c.kind.value, c.pid, how)
+        b = self._backoff[c.kind]
+        young = time.monotonic() - c.started < YOUNG_S
+        b.delay = min(max(2 * b.delay, 0.1), BACKOFF_MAX_S) if young else 0.0
+        b.not_before = time.monotonic() + b.delay
+
+    def _on_boot_error(self, c: Child) -> None:
+        if c.cfg is self.cfg and self._previous is not None:
+            log.error(
+                "a %s of the new configuration cannot start; going back to the previous one",
+                c.kind.value,
+            )
+            self.cfg, self._previous = self._previous, None
+            self._target = _worker_count(self.cfg)
+            assert self._seg is not None
+            self._seg.write_config(self.cfg.public())
+            self.notifier.send("READY=1", self._status())
+            return  # the failed config's children are now old, and replaced as such
+        self._halt = f"a {c.kind.value} cannot start (its error is logged above)"
+
+    def _retire(self, c: Child) -> None:
+        if not c.retiring:
+            c.retiring = True
+            _kill(c.pid, signal.SIGTERM)
+
+    def _keep_running(self, now: float) -> None:
+        """Start what is missing; replace old-generation children one at a time."""
+        live = [c for c in self._children.values() if not c.retiring]
+        workers = [c for c in live if c.kind is Kind.WORKER]
+        current = [c for c in workers if c.cfg is self.cfg]
+        old = [c for c in workers if c.cfg is not self.cfg]
+        starting = any(not c.ready for c in current)
+        b = self._backoff[Kind.WORKER]
+        if len(workers) < self._target and now >= b.not_before:
+            self._spawn(Kind.WORKER)
+        elif old and not starting and len(current) < self._target:
+            self._spawn(Kind.WORKER)  # the replacement of an old one, before it goes
+        elif len(workers) > self._target and not starting:
+            self._retire(old[0] if old else max(current, key=lambda c: c.started))
+
+        drainers = [c for c in self._children.values() if c.kind is Kind.DRAINER]
+        want_drainer = bool(self.cfg.fleet_kinds)
+        for d in drainers:
+            stale = d.cfg is not self.cfg or not want_drainer
+            if stale and not d.retiring and not old:  # after the workers, whose settles it drains
+                self._retire(d)
+        d_b = self._backoff[Kind.DRAINER]
+        if want_drainer and not drainers and now >= d_b.not_before:
+            self._spawn(Kind.DRAINER)  # only once the last one is gone: one consumer
+
+        drainer_current = not want_drainer or any(
+            d.cfg is self.cfg and d.ready and not d.retiring for d in drainers
+        )
+        if self._previous is not None and not old and not starting and drainer_current:
+            log.info("reload complete")
+            self._previous = None
+            self.notifier.send("READY=1", self._status())
+
+    def _watch_heartbeats(self, now: float) -> None:
+        assert self._seg is not None
+        beats = {p.pid: p.heartbeat_ms for p in procs.read(self._seg.view, self._seg.layout)}
+        limit_ms = self.cfg.server.heartbeat_timeout_s * 1000
+        now_ms = monotonic_ms()
+        for c in self._children.values():
+            if c.abort_sent is not None:
+                if now - c.abort_sent > KILL_AFTER_S:
+                    _kill(c.pid, signal.SIGKILL)
+                continue
+            beat = beats.get(c.pid)
+            if not c.ready and now - c.started > limit_ms / 1000:
+                log.error(
+                    "%s %d not serving after %.0f s; aborting it",
+                    c.kind.value,
+                    c.pid,
+                    now - c.started,
+                )
+                c.abort_sent = now
+                _kill(c.pid, signal.SIGABRT)
+            elif c.ready and beat is not None and now_ms - beat > limit_ms:
+                log.error(
+                    "%s %d silent for %.1f s; aborting it",
+                    c.kind.value,
+                    c.pid,
+                    (now_ms - beat) / 1000,
+                )
+                c.abort_sent = now
+                _kill(c.pid, signal.SIGABRT)
+
+    def _healthy(self) -> bool:
+        workers = [c for c in self._children.values() if c.kind is Kind.WORKER]
+        ready = [c for c in workers if c.ready and c.abort_sent is None]
+        drainer_ok = not self.cfg.fleet_kinds or any(
+            c.kind is Kind.DRAINER and c.abort_sent is None for c in self._children.values()
+        )
+        return len(ready) >= self._target and drainer_ok
+
+    def _report(self, now: float) -> None:
+        healthy = self._healthy()
+        if healthy and not self._announced_ready:
+            self._announced_ready = True
+            log.info("ready: %s", self._status())
+            self.notifier.send("READY=1", self._status())
+        interval = self.notifier.watchdog_s
+        if healthy and interval is not None and now - self._last_watchdog >= interval:
+            self._last_watchdog = now
+            self.notifier.send("WATCHDOG=1", self._status())
+
+    def _status(self) -> str:
+        workers = sum(1 for c in self._children.values() if c.kind is Kind.WORKER and c.ready)
+        drainer = any(c.kind is Kind.DRAINER for c in self._children.values())
+        fleet = "+".join(self.cfg.fleet_kinds) or "node only"
+        return (
+            f"STATUS=serving on {socks.describe(self._sockets)}: {workers} workers, "
+            f"fleet {fleet}{', drainer up' if drainer else ''}"
+        )
+
+    # -- reload -----------------------------------------------------------------------------
+
+    def _reload(self) -> None:
+        if self.config_path is None:
+            log.info("HUP: running on embedded defaults; nothing to re-read")
+            return
+        try:
+            new = config.load(self.config_path)
+        except config.ConfigError as e:
+            log.error("HUP: %s; the running configuration keeps serving", e)
+            return
+        new = _keep_restart_only(self.cfg, new)
+        self.notifier.send("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
+        self._previous, self.cfg = self._previous or self.cfg, new
+        self._target = _worker_count(new)
+        assert self._seg is not None
+        self._seg.write_config(new.public())
+        log.info("HUP: %s read; replacing workers one at a time", self.config_path)
+
+    # -- stopping ---------------------------------------------------------------------------
+
+    def _begin_stop(self, graceful: bool) -> None:
+        now = time.monotonic()
+        if self._stop is not None:
+            if not graceful and self._stop.graceful:  # TERM then INT: hurry up
+                self._stop = _Stop(False, min(self._stop.deadline, now + FAST_STOP_S))
+                self._signal_all(signal.SIGQUIT)
+            return
+        timeout = self.cfg.server.graceful_timeout_s if graceful else FAST_STOP_S
+        self._stop = _Stop(graceful, now + timeout)
+        self.notifier.send("STOPPING=1", "STATUS=stopping")
+        log.info("stopping (%s)", "graceful" if graceful else "fast")
+        for s in self._sockets:  # the port goes away once the workers close theirs too
+            s.close()
+        self._sockets = []
+        for c in self._children.values():
+            if c.kind is Kind.WORKER or not graceful:
+                c.retiring = True
+                _kill(c.pid, signal.SIGTERM if graceful else signal.SIGQUIT)
+
+    def _signal_all(self, sig: int) -> None:
+        for c in self._children.values():
+            c.retiring = True
+            _kill(c.pid, sig)
+
+    def _advance_stop(self, now: float) -> bool:
+        """One step of stopping; True once every child is gone."""
+        stop = self._stop
+        assert stop is not None
+        if not self._children:
+            log.info("stopped")
+            return True
+        if now >= stop.deadline:
+            log.warning("children still running at the stop deadline; killing them")
+            self._signal_all(signal.SIGKILL)
+            stop.deadline = now + 3600  # reap what was killed; no second round
+            return False
+        workers_left = any(c.kind is Kind.WORKER for c in self._children.values())
+        if stop.graceful and not workers_left and not stop.drainer_told:
+            stop.drainer_told = True  # the queue is complete now: let it empty it
+            for c in self._children.values():
+                c.retiring = True
+                _kill(c.pid, signal.SIGTERM)
+        return False
+
+
+def _worker_count(cfg: Config) -> int:
+    return cfg.server.workers or len(os.sched_getaffinity(0))
+
+
+def _keep_restart_only(old: Config, new: Config) -> Config:
+    """What a running service cannot change -- the segment and its sizes, the listening
+    addresses -- is carried over from ``old``, with a warning naming it."""
+    server = dataclasses.replace(new.server, segment=old.server.segment, listen=old.server.listen)
+    fleet = dataclasses.replace(new.fleet, settle_queue_size=old.fleet.settle_queue_size)
+    for name, before, after in (
+        ("server.segment", old.server.segment, new.server.segment),
+        ("server.listen", old.server.listen, new.server.listen),
+        ("fleet.settle_queue_size", old.fleet.settle_queue_size, new.fleet.settle_queue_size),
+    ):
+        if before != after:
+            log.warning("HUP: %s changed; it takes effect at the next restart", name)
+    return dataclasses.replace(new, server=server, fleet=fleet)
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except OSError as e:
+        if e.errno != errno.ESRCH:
+            raise

@@ -1,0 +1,207 @@
+"""The service as a user runs it: ``ankusa-shm serve`` in a subprocess, real HTTP over
+real sockets, the store read back from its SQLite file."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from service import Service
+
+from ankusa_shm.store import readers
+
+SECRET = "s3cret-for-tests"
+GITHUB = """
+[rate_limits]
+default = { rate = 1000, burst = 1000 }
+tenants.tiny = { rate = 0.5, burst = 2 }
+
+[[sources]]
+id = "github"
+tenant = "acme"
+verify = { hmac = { header = "x-hub-signature-256", prefix = "sha256=", secret_env = "GH_SECRET" } }
+dedupe = { preset = "github" }
+
+[[sources]]
+id = "tiny"
+tenant = "tiny"
+verify = { hmac = { header = "x-hub-signature-256", prefix = "sha256=", secret_env = "GH_SECRET" } }
+dedupe = { preset = "github" }
+"""
+
+
+def signed(body: bytes, delivery: str | None = None, secret: str = SECRET) -> dict[str, str]:
+    mac = hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+    return {
+        "x-hub-signature-256": f"sha256={mac}",
+        "x-github-delivery": delivery or str(uuid.uuid4()),
+        "x-github-event": "push",
+        "content-type": "application/json",
+    }
+
+
+@pytest.fixture
+def svc(tmp_path: Path) -> Iterator[Service]:
+    s = Service(
+        tmp_path,
+        GITHUB,
+        server={"header_timeout_s": 0.5, "body_timeout_s": 0.5, "max_body_bytes": 4096},
+        env={"GH_SECRET": SECRET},
+    )
+    try:
+        yield s.start()
+    finally:
+        s.close()
+
+
+def raw(svc: Service, data: bytes, wait_s: float = 5.0) -> bytes:
+    """Send bytes as they are and read until the server closes."""
+    with socket.create_connection(("127.0.0.1", svc.port), timeout=wait_s) as s:
+        s.sendall(data)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out
+
+
+def test_a_signed_hook_is_stored_and_its_resend_is_a_duplicate(svc: Service) -> None:
+    body = b'{"ref":"refs/heads/main"}'
+    headers = signed(body, "delivery-1")
+    first = svc.post("github", body, headers)
+    assert first.status == 201 and first.body["status"] == "accepted"
+    assert "duplicate" not in first.body
+    hook = readers.get(svc.store_path, first.body["id"])
+    assert hook is not None
+    assert (hook.source, hook.tenant, hook.body) == ("github", "acme", body)
+    assert hook.event_key == b"delivery-1"
+    assert ("x-github-event", "push") in hook.headers
+    assert uuid.UUID(first.body["id"]).version == 7
+
+    again = svc.post("github", body, headers)
+    assert again.status == 201
+    assert again.body == {"status": "accepted", "id": first.body["id"], "duplicate": True}
+    assert readers.count(svc.store_path) == 1
+
+
+def test_a_forgery_is_refused_and_costs_the_tenant_nothing(svc: Service) -> None:
+    body = b'{"n":1}'
+    for _ in range(5):  # more forgeries than the tenant's burst of 2
+        bad = svc.post("tiny", body, signed(body, secret="wrong"))
+        assert (bad.status, bad.body) == (401, {"error": "bad_signature"})
+    assert svc.post("tiny", body, {"x-github-delivery": "unsigned"}).status == 401
+    for i in range(2):
+        assert svc.post("tiny", body, signed(body, f"ok-{i}")).status == 201
+    limited = svc.post("tiny", body, signed(body, "third"))
+    assert (limited.status, limited.body) == (429, {"error": "rate_limited"})
+    assert int(limited.headers["retry-after"]) >= 1
+    assert readers.count(svc.store_path) == 2
+
+
+def test_routing_errors(svc: Service) -> None:
+    assert svc.post("nope", b"{}").status == 404
+    c = svc.connection()
+    c.request("GET", "/hooks/github")
+    r = c.getresponse()
+    assert (r.status, r.getheader("allow"), json.loads(r.read())) == (
+        405,
+        "POST",
+        {"error": "method_not_allowed"},
+    )
+    c.request("POST", "/elsewhere", body=b"x")
+    r = c.getresponse()
+    assert r.status == 404 and json.loads(r.read()) == {"error": "not_found"}
+    c.close()
+
+
+def test_an_oversized_body_is_refused_before_it_is_read(svc: Service) -> None:
+    with socket.create_connection(("127.0.0.1", svc.port), timeout=5) as s:
+        # Announce far more than max_body_bytes and send none of it: the answer comes now.
+        s.sendall(b"POST /hooks/github HTTP/1.1\r\nhost: x\r\ncontent-length: 100000000\r\n\r\n")
+        answer = s.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 413 ")
+    assert b'{"error":"too_large"}' in answer and b"connection: close" in answer
+    chunked = b"".join(
+        b"1000\r\n" + b"x" * 4096 + b"\r\n" for _ in range(3)
+    )  # 12 KiB in chunks: over the 4 KiB limit as the chunks arrive
+    out = raw(svc, b"POST /hooks/github HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n" + chunked)
+    assert out.startswith(b"HTTP/1.1 413 ")
+    assert readers.count(svc.store_path) == 0
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"GARBAGE\r\n\r\n",
+        b"POST /hooks/github HTTP/1.1\r\ncontent-length: x\r\n\r\n",
+        b"POST /hooks/github HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n",
+        b"POST /hooks/github HTTP/9.9\r\n\r\n",
+    ],
+    ids=["request-line", "content-length", "chunk-size", "version"],
+)
+def test_malformed_requests_get_400_and_others_are_unaffected(
+    svc: Service, request_bytes: bytes
+) -> None:
+    keep = svc.connection()  # a client mid-conversation on another connection
+    body = b'{"a":1}'
+    assert svc.post("github", body, signed(body), conn=keep).status == 201
+    out = raw(svc, request_bytes)
+    assert out.startswith(b"HTTP/1.1 400 "), out
+    assert b"connection: close" in out
+    assert svc.post("github", body, signed(body), conn=keep).status == 201
+    keep.close()
+
+
+def test_a_truncated_body_stores_nothing(svc: Service) -> None:
+    with socket.create_connection(("127.0.0.1", svc.port), timeout=5) as s:
+        s.sendall(b"POST /hooks/github HTTP/1.1\r\ncontent-length: 100\r\n\r\n" + b"x" * 10)
+        s.shutdown(socket.SHUT_WR)
+        assert s.recv(65536) == b""  # closed without an answer: nothing was understood
+    assert readers.count(svc.store_path) == 0
+
+
+def test_pipelined_requests_are_answered_in_order(svc: Service) -> None:
+    bodies = [json.dumps({"n": i}).encode() for i in range(20)]
+    reqs = b""
+    for i, b in enumerate(bodies):
+        head = "".join(f"{k}: {v}\r\n" for k, v in signed(b, f"pipe-{i}").items())
+        reqs += f"POST /hooks/github HTTP/1.1\r\ncontent-length: {len(b)}\r\n{head}\r\n".encode()
+        reqs += b
+    reqs += b"POST /hooks/github HTTP/1.1\r\nconnection: close\r\ncontent-length: 2\r\n\r\n{}"
+    out = raw(svc, reqs)
+    assert out.count(b"HTTP/1.1 201 ") == 20 and out.count(b"HTTP/1.1 401 ") == 1
+    ids = [i.decode() for i in re.findall(rb'"id":"([0-9a-f-]{36})"', out)]
+    stored = [readers.get(svc.store_path, i) for i in ids]
+    assert [h.event_key for h in stored if h] == [f"pipe-{i}".encode() for i in range(20)]
+
+
+def test_a_slow_client_is_timed_out_while_others_are_served(svc: Service) -> None:
+    with socket.create_connection(("127.0.0.1", svc.port), timeout=5) as slow:
+        slow.sendall(b"POST /hooks/github HTTP/1.1\r\nx-a: ")  # and then nothing
+        started = time.monotonic()
+        body = b'{"b":2}'
+        for _ in range(3):  # served meanwhile
+            assert svc.post("github", body, signed(body)).status == 201
+        answer = slow.recv(65536)
+        waited = time.monotonic() - started
+    assert answer.startswith(b"HTTP/1.1 408 ") and b"header_timeout" in answer
+    assert waited < 3.0  # header_timeout_s is 0.5; the sweep runs every 0.25 s
+    with socket.create_connection(("127.0.0.1", svc.port), timeout=5) as slow_body:
+        slow_body.sendall(b"POST /hooks/github HTTP/1.1\r\ncontent-length: 50\r\n\r\nabc")
+        assert b"body_timeout" in slow_body.recv(65536)
+
+
+def test_keep_alive_serves_many_requests_on_one_connection(svc: Service) -> None:
+    c = svc.connection()
+    for i in range(50):
+        body = json.dumps({"i": i}).encode()
+        assert svc.post("github", body, signed(body), conn=c).status == 201
+    c.close()
+    assert readers.count(svc.store_path) == 50
