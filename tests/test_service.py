@@ -3,8 +3,6 @@ real sockets, the store read back from its SQLite file."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import re
 import socket
@@ -14,38 +12,26 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from load_client import GITHUB_SOURCE, SECRET, signed
 from service import Service
 
 from ankusa_shm.store import readers
 
-SECRET = "s3cret-for-tests"
-GITHUB = """
+GITHUB = (
+    """
 [rate_limits]
 default = { rate = 1000, burst = 1000 }
 tenants.tiny = { rate = 0.5, burst = 2 }
-
-[[sources]]
-id = "github"
-tenant = "acme"
-verify = { hmac = { header = "x-hub-signature-256", prefix = "sha256=", secret_env = "GH_SECRET" } }
-dedupe = { preset = "github" }
-
+"""
+    + GITHUB_SOURCE
+    + """
 [[sources]]
 id = "tiny"
 tenant = "tiny"
 verify = { hmac = { header = "x-hub-signature-256", prefix = "sha256=", secret_env = "GH_SECRET" } }
 dedupe = { preset = "github" }
 """
-
-
-def signed(body: bytes, delivery: str | None = None, secret: str = SECRET) -> dict[str, str]:
-    mac = hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
-    return {
-        "x-hub-signature-256": f"sha256={mac}",
-        "x-github-delivery": delivery or str(uuid.uuid4()),
-        "x-github-event": "push",
-        "content-type": "application/json",
-    }
+)
 
 
 @pytest.fixture

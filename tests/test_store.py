@@ -29,7 +29,14 @@ from ankusa_shm import config
 from ankusa_shm.config import ConfigError
 from ankusa_shm.hooks import AlreadyStored, CommitResult, Committed, NewHook, NotStored
 from ankusa_shm.store import readers, schema
-from ankusa_shm.store.writer import SWEEP_ROWS, UNAVAILABLE, StoreError, Writer
+from ankusa_shm.store.writer import (
+    SWEEP_ROWS,
+    UNAVAILABLE,
+    StoreError,
+    WallClock,
+    Writer,
+    wall_ms,
+)
 
 CHILD = str(Path(__file__).with_name("store_child.py"))
 T = TypeVar("T")
@@ -74,11 +81,9 @@ def run(body: Callable[[], Coroutine[Any, Any, T]]) -> T:
 
 
 @asynccontextmanager
-async def started(
-    cfg: config.Store, wall: Callable[[], int] | None = None
-) -> AsyncIterator[Writer]:
+async def started(cfg: config.Store, wall: WallClock = wall_ms) -> AsyncIterator[Writer]:
     """A Writer started on the running loop, closed on the way out (closing twice is fine)."""
-    writer = Writer(cfg) if wall is None else Writer(cfg, wall)
+    writer = Writer(cfg, wall)
     writer.start(asyncio.get_running_loop())
     try:
         yield writer
@@ -468,7 +473,7 @@ def test_readers_page_in_commit_order(tmp_path: Path) -> None:
         seen += [p.id for p in page]
         cursor = page[-1].seq
     assert seen == [h.id for h in hooks]
-    with pytest.raises(StoreError, match="missing.db: cannot read"):
+    with pytest.raises(StoreError, match=r"missing\.db: cannot read"):
         readers.count(tmp_path / "missing.db")
 
 
@@ -503,15 +508,26 @@ def test_two_writer_processes_share_the_store_fairly(tmp_path: Path) -> None:
 
 
 def test_writer_killed_mid_load(tmp_path: Path) -> None:
-    """SIGKILL a writer while it commits: every hook it answered Committed is stored, its
-    lock died with it, and another writer carries on at once."""
+    """SIGKILL a writer while it and another process commit: every hook it answered
+    Committed is stored, its lock died with it, and the other writer carries on."""
     cfg = store_cfg(tmp_path, lock_timeout_ms=2_000)
-    with Child("stream", cfg.path) as child:
-        assert child.line() == "ready"
-        answered = [child.line() for _ in range(500)]
-        child.proc.send_signal(signal.SIGKILL)
-        assert child.wait() == -signal.SIGKILL
-        answered += child.rest()
+    n = 3000
+    with Child("stream", cfg.path) as killed, Child("load", cfg.path, str(n), "32", "b") as other:
+        assert (killed.line(), other.line()) == ("ready", "ready")
+        answered = [killed.line() for _ in range(200)]
+        other.send("go")
+        answered += [killed.line() for _ in range(300)]
+        killed.proc.send_signal(signal.SIGKILL)
+        assert killed.wait() == -signal.SIGKILL
+        answered += killed.rest()
+        survivor = json.loads(other.line(60))
+        assert other.wait() == 0  # it raises on any hook not stored
+    print(
+        f"killed after {len(answered)} answered commits; the other writer stored"
+        f" {len(survivor['committed'])}, max latency {survivor['max_ms']:.1f} ms"
+    )
+    assert len(survivor["committed"]) == n
+    assert survivor["max_ms"] < 2_000
     fd = os.open(schema.lock_path(cfg.path), os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: raises if still held
@@ -519,13 +535,13 @@ def test_writer_killed_mid_load(tmp_path: Path) -> None:
     finally:
         os.close(fd)
     stored = readers.ids(cfg.path)
-    print(f"killed after {len(answered)} answered commits; {len(stored)} stored")
     conn = schema.connect_ro(cfg.path)
     try:
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     finally:
         conn.close()
     assert set(answered) <= stored
+    assert set(survivor["committed"]) <= stored
 
     nxt = hook()
 

@@ -29,6 +29,7 @@ import collections
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -44,6 +45,8 @@ from ankusa_shm.store import schema
 from ankusa_shm.store.schema import StoreError
 
 __all__ = ["SWEEP_ROWS", "UNAVAILABLE", "StoreError", "Writer", "WriterStats"]
+
+log = logging.getLogger("ankusa_shm.store")
 
 UNAVAILABLE = NotStored("store_unavailable")
 DUPLICATE_ID = NotStored("duplicate_id")
@@ -169,6 +172,7 @@ class Writer:
         # The thread's:
         self._conn: sqlite3.Connection | None = None
         self._lock: _WriteLock | None = None
+        self._failing = False  # the last transaction failed: log the recovery
 
     # -- the event loop's side ---------------------------------------------------------------
 
@@ -266,6 +270,8 @@ class Writer:
         opened.set()
         try:
             self._serve()
+        except Exception:  # a bug: hooks still queued are given up on by the loop's timer
+            log.exception("%s: the store's writer thread failed", self.path)
         finally:
             self._drop_connection()
             if self._lock is not None:
@@ -394,14 +400,14 @@ class Writer:
         if self._conn is None:
             try:
                 self._conn = self._connect()
-            except StoreError:
-                self.stats.failures += 1
+            except StoreError as e:
+                self._failed(str(e))
                 return None
             self.stats.reopens += 1
         try:
             self._conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as e:
-            self.stats.failures += 1
+            self._failed(f"{self.path}: {e}")
             if _busy(e):
                 time.sleep(_BUSY_PAUSE_S)
             else:
@@ -410,12 +416,20 @@ class Writer:
         return self._conn
 
     def _fail(self, conn: sqlite3.Connection, e: sqlite3.Error) -> None:
-        self.stats.failures += 1
+        """Roll back a failed transaction; keep the connection only if it was merely busy."""
+        self._failed(f"{self.path}: {e}")
         with contextlib.suppress(sqlite3.Error):
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
         if not _busy(e):
             self._drop_connection()
+
+    def _failed(self, what: str) -> None:
+        """Count a failure; log only the first of a run, so a full disk is one line."""
+        self.stats.failures += 1
+        if not self._failing:
+            log.warning("cannot write the hook store: %s", what)
+            self._failing = True
 
     def _transaction(self) -> Answers:
         """One transaction of up to ``max_batch`` hooks, with the lock held."""
@@ -440,6 +454,9 @@ class Writer:
             self.stats.not_stored += len(batch)
             results = [UNAVAILABLE] * len(batch)
         else:
+            if self._failing:
+                log.info("%s: writing again", self.path)
+                self._failing = False
             s = self.stats
             s.batches += 1
             s.hooks += len(batch)

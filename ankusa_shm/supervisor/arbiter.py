@@ -161,7 +161,9 @@ class Arbiter:
         fds = [self._wake_r]
         fds += [c.ready_fd for c in self._children.values() if c.ready_fd is not None]
         try:
-            readable, _, _ = select.select(fds, [], [], TICK_S)
+            readable, _, _ = select.select(
+                fds, [], [], min(TICK_S, self.notifier.watchdog_s or TICK_S)
+            )
         except InterruptedError:
             return
         for fd in readable:

@@ -1,0 +1,244 @@
+"""The supervisor under real signals: workers killed and respawned, a graceful stop under
+load, a supervisor killed and started again on its segment, reloads, readiness and the
+watchdog over a real notify socket, and two hosts sharing one Redis."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from load_client import GITHUB_SOURCE, SECRET, Load, signed
+from redis_server import RedisServer
+from service import Service
+
+from ankusa_shm.shm.counters import Counter, totals
+from ankusa_shm.shm.segment import Segment
+from ankusa_shm.store import readers
+
+NODE = "[rate_limits]\ndefault = { rate = 100000, burst = 100000 }\n" + GITHUB_SOURCE
+ENV = {"GH_SECRET": SECRET}
+
+
+def fleet_config(redis: RedisServer, extra: str = "") -> str:
+    return (
+        '[rate_limits]\nscope = "fleet"\ndefault = { rate = 100000, burst = 100000 }\n'
+        '[dedupe]\nscope = "fleet"\n'
+        f'[fleet]\nredis_url = "{redis.url}"\ntimeout_ms = 200\n{extra}' + GITHUB_SOURCE
+    )
+
+
+@pytest.fixture
+def make(tmp_path: Path) -> Iterator[list[Service]]:
+    made: list[Service] = []
+    yield made
+    for s in made:
+        s.close()
+
+
+def service(made: list[Service], tmp: Path, rest: str = NODE, **kw: object) -> Service:
+    s = Service(tmp, rest, env=ENV, **kw)  # type: ignore[arg-type]
+    made.append(s)
+    return s
+
+
+def wait_until(check: object, timeout: float = 15.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():  # type: ignore[operator]
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout} s: {what}")
+
+
+def counter(svc: Service, c: Counter) -> int:
+    with Segment.attach(svc.segment, readonly=True) as seg:
+        return totals(seg.view, seg.layout)[c]
+
+
+def test_ready_and_watchdog_reach_the_notify_socket(make: list[Service], tmp_path: Path) -> None:
+    svc = service(make, tmp_path)
+    svc.start(env={"WATCHDOG_USEC": "1000000"})  # start() itself waits for READY=1
+    ready = next(m for m in svc.notifications if "READY=1" in m.split("\n"))
+    assert "STATUS=serving on 127.0.0.1:" in ready and "2 workers" in ready
+    svc.wait_for("WATCHDOG=1", timeout=5)
+    svc.stop()
+    assert any("STOPPING=1" in m for m in svc.notifications) or svc.receive("STOPPING=1")
+
+
+def test_a_killed_worker_is_replaced_and_no_accepted_hook_is_lost(
+    make: list[Service], tmp_path: Path
+) -> None:
+    svc = service(make, tmp_path).start()
+    with Load(svc.port, threads=4) as load:
+        time.sleep(1.0)
+        victim = svc.pids("worker")[0]
+        os.kill(victim, signal.SIGKILL)
+        wait_until(
+            lambda: len(svc.pids("worker")) == 2 and victim not in svc.pids("worker"),
+            what="a new worker in the killed one's place",
+        )
+        time.sleep(1.0)
+    tally = load.tally
+    assert tally.count(201) > 100
+    stored = readers.ids(svc.store_path)
+    assert set(tally.accepted.values()) <= stored  # every 201 is durable
+    assert len(tally.errors) <= 8  # at most the killed worker's in-flight requests
+    assert "died (signal SIGKILL); starting another" in svc.log()
+
+
+def test_term_under_load_stores_every_accepted_hook_and_exits_0(
+    make: list[Service], tmp_path: Path, redis_server: RedisServer
+) -> None:
+    svc = service(make, tmp_path, fleet_config(redis_server)).start()
+    load = Load(svc.port, threads=4).__enter__()
+    time.sleep(1.5)
+    svc.send(signal.SIGTERM)
+    assert svc.proc is not None and svc.proc.wait(30) == 0
+    tally = load.stop()
+    assert tally.count(201) > 100
+    assert set(tally.accepted.values()) <= readers.ids(svc.store_path)
+    # The drainer emptied the queue before the service exited: every hook is committed
+    # in Redis under the id it was stored with.
+    r = redis_server.client()
+    for delivery, hook_id in tally.accepted.items():
+        assert r.get(f"ankusa:{{acme}}:dd:github:{delivery}") == f"c:{hook_id}".encode()
+    assert counter(svc, Counter.SETTLE_ENQUEUED) == counter(svc, Counter.SETTLED_PROMOTE)
+
+
+def test_a_killed_supervisor_restarts_on_its_segment_and_loses_nothing_queued(
+    make: list[Service], tmp_path: Path, redis_server: RedisServer
+) -> None:
+    svc = service(make, tmp_path, fleet_config(redis_server)).start()
+    (drainer,) = svc.pids("drainer")
+    os.kill(drainer, signal.SIGSTOP)  # settlements pile up in the segment's queue
+    with Load(svc.port, threads=4) as load:
+        time.sleep(1.5)
+    accepted = dict(load.tally.accepted)
+    assert len(accepted) > 50
+    queued = counter(svc, Counter.SETTLE_ENQUEUED)
+    assert queued == len(accepted) and counter(svc, Counter.SETTLED_PROMOTE) == 0
+
+    svc.send(signal.SIGKILL)  # the children die with it (PDEATHSIG), stopped or not
+    assert svc.proc is not None and svc.proc.wait(10) == -signal.SIGKILL
+    wait_until(lambda: not svc.children(), what="the children gone with their supervisor")
+    svc.start()
+    assert "re-attached segment" in svc.log()
+    wait_until(
+        lambda: counter(svc, Counter.SETTLED_PROMOTE) == queued,
+        what="the new drainer delivering what the old one left queued",
+    )
+    r = redis_server.client()
+    for delivery, hook_id in accepted.items():
+        assert r.get(f"ankusa:{{acme}}:dd:github:{delivery}") == f"c:{hook_id}".encode()
+    assert svc.stop() == 0
+
+
+def test_a_silent_worker_is_aborted_and_replaced(make: list[Service], tmp_path: Path) -> None:
+    svc = service(make, tmp_path, server={"heartbeat_timeout_s": 1.5}).start()
+    frozen = svc.pids("worker")[0]
+    os.kill(frozen, signal.SIGSTOP)
+    wait_until(lambda: frozen not in svc.pids("worker"), timeout=15, what="frozen one gone")
+    wait_until(lambda: len(svc.pids("worker")) == 2, what="a replacement")
+    assert f"worker {frozen} silent for" in svc.log()
+    body = b"{}"
+    assert svc.post("github", body, signed(body)).status == 201
+
+
+def test_a_worker_that_cannot_boot_stops_the_supervisor(
+    make: list[Service], tmp_path: Path
+) -> None:
+    svc = service(make, tmp_path)
+    svc.env.pop("GH_SECRET")
+    with pytest.raises(AssertionError, match="service exited 1"):
+        svc.start()
+    log = svc.log()
+    assert "environment variable GH_SECRET is not set" in log
+    assert "cannot start" in log and log.count("worker ") < 10  # no respawn loop
+
+
+def test_hup_applies_a_new_limit_without_refusing_a_connection(
+    make: list[Service], tmp_path: Path
+) -> None:
+    tight = "[rate_limits]\ndefault = { rate = 0.001, burst = 3 }\n" + GITHUB_SOURCE
+    svc = service(make, tmp_path, tight).start()
+    answers = [svc.post("github", b"{}", signed(b"{}")).status for _ in range(5)]
+    assert answers == [201, 201, 201, 429, 429]
+
+    refused: list[str] = []
+    stop = threading.Event()
+
+    def connect_all_the_time() -> None:
+        while not stop.is_set():
+            try:
+                svc.post("github", b"{}", signed(b"{}"))
+            except ConnectionRefusedError as e:
+                refused.append(str(e))
+
+    t = threading.Thread(target=connect_all_the_time)
+    t.start()
+    svc.rewrite("[rate_limits]\ndefault = { rate = 0.001, burst = 1000 }\n" + GITHUB_SOURCE)
+    before = svc.pids("worker")
+    svc.send(signal.SIGHUP)
+    svc.wait_for("RELOADING=1")
+    svc.wait_for("READY=1")
+    stop.set()
+    t.join()
+    assert refused == []
+    assert not set(before) & set(svc.pids("worker"))  # every worker was replaced
+    assert svc.post("github", b"{}", signed(b"{}")).status == 201
+
+    svc.config_path.write_text("[rate_limits]\nscope = 'planet'\n")
+    svc.send(signal.SIGHUP)
+    wait_until(lambda: "rate_limits.scope" in svc.log(), what="the bad key in the log")
+    assert "the running configuration keeps serving" in svc.log()
+    assert svc.post("github", b"{}", signed(b"{}")).status == 201
+
+
+def test_ttin_and_ttou_change_the_worker_count(make: list[Service], tmp_path: Path) -> None:
+    svc = service(make, tmp_path).start()
+    svc.send(signal.SIGTTIN)
+    wait_until(lambda: len(svc.pids("worker")) == 3, what="a third worker")
+    for left in (2, 1):  # one at a time: two pending TTOUs are one signal to the kernel
+        svc.send(signal.SIGTTOU)
+        wait_until(lambda n=left: len(svc.pids("worker")) == n, what=f"down to {left}")
+    svc.send(signal.SIGTTOU)  # never below one
+    time.sleep(0.5)
+    assert len(svc.pids("worker")) == 1
+    assert svc.post("github", b"{}", signed(b"{}")).status == 201
+
+
+def test_two_hosts_sharing_redis_store_an_event_once(
+    make: list[Service], tmp_path: Path, redis_server: RedisServer
+) -> None:
+    hosts = [
+        service(make, tmp_path / f"host{i}", fleet_config(redis_server)).start() for i in (0, 1)
+    ]
+    deliveries = [f"both-{i}" for i in range(40)]
+    results: dict[tuple[int, str], int] = {}
+
+    def send(host: int) -> None:
+        conn = hosts[host].connection()
+        for d in deliveries:
+            body = json.dumps({"d": d}).encode()
+            results[(host, d)] = hosts[host].post("github", body, signed(body, d), conn).status
+        conn.close()
+
+    threads = [threading.Thread(target=send, args=(h,)) for h in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert set(results.values()) <= {201, 409}
+    stored: dict[str, int] = {}
+    for h in hosts:
+        for hook in readers.page(h.store_path, 0, 1000):
+            assert hook.event_key is not None
+            key = hook.event_key.decode()
+            stored[key] = stored.get(key, 0) + 1
+    assert stored == dict.fromkeys(deliveries, 1)  # each event stored once, fleet-wide
