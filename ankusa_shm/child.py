@@ -10,6 +10,7 @@ happened (``BOOT_ERROR``: it could not start, and starting it again would not he
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import gc
 import logging
 import os
@@ -69,6 +70,7 @@ def run(title: str, parent: int, body: Callable[[], int]) -> NoReturn:
     code = 1
     try:
         die_with_parent(parent)
+        faulthandler.enable()  # SIGABRT from the supervisor prints where the loop was stuck
         signal.set_wakeup_fd(-1)
         for sig in _RESET:
             signal.signal(sig, signal.SIG_DFL)

@@ -54,8 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _check_config(file: str | None, list_settings: bool) -> int:
     if list_settings:
-        for key, default, doc in config.describe():
-            print(f"{key:<34} {default:<28} {doc}")
+        rows = config.describe()
+        width = max(len(key) for key, _, _ in rows)
+        for key, default, doc in rows:
+            print(f"{key:<{width}}  {default:<28} {doc}")
         return 0
     if not file:
         print("ankusa-shm check-config: give a FILE (or --list)", file=sys.stderr)

@@ -495,6 +495,9 @@ def _cross_checks(cfg: Config, origin: str) -> None:
         raise ConfigError(f"{origin}: fleet.cluster: a Redis Cluster is not reached over unix://")
 
 
+_EXPANDED = (Config, Source, Verify)
+
+
 def describe() -> list[tuple[str, str, str]]:
     """(key, default, doc) for every setting, for ``check-config --list`` and the docs."""
     rows: list[tuple[str, str, str]] = []
@@ -506,8 +509,13 @@ def describe() -> list[tuple[str, str, str]]:
                 continue
             key = f"{prefix}{f.name}"
             tp = hints[f.name]
-            if dataclasses.is_dataclass(tp) and cls is Config:
-                walk(typing.cast(type[Any], tp), key + ".")
+            inner = [a for a in typing.get_args(tp) if a is not type(None)]
+            if typing.get_origin(tp) is list and dataclasses.is_dataclass(inner[0]):
+                walk(typing.cast(type[Any], inner[0]), key + "[].")  # [[sources]]
+                continue
+            table = next((t for t in [tp, *inner] if dataclasses.is_dataclass(t)), None)
+            if table is not None and cls in _EXPANDED:  # a section or a source's sub-table
+                walk(typing.cast(type[Any], table), key + ".")
                 continue
             if f.default is not dataclasses.MISSING:
                 default = repr(f.default)

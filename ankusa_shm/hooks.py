@@ -8,7 +8,7 @@ admission's ``settle`` turns into a promote or a release.
 from __future__ import annotations
 
 import hashlib
-import os
+import random
 from dataclasses import dataclass
 
 from ankusa_shm.shm.layout import MAX_EVENT_KEY
@@ -72,8 +72,10 @@ CommitResult = Committed | AlreadyStored | NotStored
 
 def new_hook_id(wall_ms: int) -> str:
     """A UUIDv7: 48 bits of Unix milliseconds, then random bits. Sortable by time across
-    hosts, unique without coordination."""
-    n = (wall_ms & 0xFFFF_FFFF_FFFF) << 80 | int.from_bytes(os.urandom(10))
+    hosts, unique without coordination. The bits come from ``random``, which is reseeded
+    in every forked child, not from ``os.urandom``: an id need not be unguessable, and a
+    system call per hook drops the GIL to the store's writer thread."""
+    n = (wall_ms & 0xFFFF_FFFF_FFFF) << 80 | random.getrandbits(80)
     n = n & ~(0xF << 76) | 0x7 << 76  # version 7
     n = n & ~(0x3 << 62) | 0x2 << 62  # RFC 9562 variant
     h = f"{n:032x}"

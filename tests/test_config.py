@@ -250,4 +250,4 @@ def test_check_config_command(tmp_path: Path) -> None:
     listing = check_config("--list")
     assert listing.returncode == 0
     keys = {line.split()[0] for line in listing.stdout.splitlines()}
-    assert {"server.listen", "fleet.redis_url", "fleet.breaker_open_ms", "sources"} <= keys
+    assert {"server.listen", "fleet.breaker_open_ms", "sources[].verify.hmac.header"} <= keys

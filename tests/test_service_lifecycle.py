@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import threading
 import time
 from collections.abc import Iterator
@@ -242,3 +243,29 @@ def test_two_hosts_sharing_redis_store_an_event_once(
             key = hook.event_key.decode()
             stored[key] = stored.get(key, 0) + 1
     assert stored == dict.fromkeys(deliveries, 1)  # each event stored once, fleet-wide
+
+
+def test_a_store_that_cannot_write_answers_503_releases_the_claim_and_recovers(
+    make: list[Service], tmp_path: Path, redis_server: RedisServer
+) -> None:
+    svc = service(make, tmp_path, fleet_config(redis_server), store={"lock_timeout_ms": 300})
+    svc.start()
+    body = b'{"x":1}'
+    headers = signed(body, "held-out")
+    # An operator's sqlite3 shell holding the write lock: the store cannot write.
+    foreign = sqlite3.connect(svc.store_path, isolation_level=None)
+    foreign.execute("BEGIN IMMEDIATE")
+    try:
+        refused = svc.post("github", body, headers)
+        assert (refused.status, refused.body) == (503, {"error": "store_unavailable"})
+        assert refused.headers["retry-after"] == "1"
+    finally:
+        foreign.execute("ROLLBACK")
+        foreign.close()
+    key = "ankusa:{acme}:dd:github:held-out"
+    r = redis_server.client()
+    wait_until(lambda: r.get(key) is None, what="the claim released by the drainer")
+    again = svc.post("github", body, headers)  # the provider's retry is not told 409
+    assert again.status == 201 and "duplicate" not in again.body
+    assert readers.ids(svc.store_path) == {again.body["id"]}
+    wait_until(lambda: r.get(key) == f"c:{again.body['id']}".encode(), what="promoted")

@@ -7,6 +7,7 @@ started with ``subprocess`` and stopped by their own ``Popen``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import fcntl
 import json
 import os
@@ -299,8 +300,9 @@ def test_group_commit_without_wait(tmp_path: Path) -> None:
 
 
 def test_durability_setting_picks_synchronous(tmp_path: Path) -> None:
-    for durability, level in (("fsync", 2), ("os", 1)):  # FULL, NORMAL
-        conn = schema.connect(tmp_path / f"{durability}.db", durability, 100)  # type: ignore[arg-type]
+    cases: list[tuple[schema.Durability, int]] = [("fsync", 2), ("os", 1)]  # FULL, NORMAL
+    for durability, level in cases:
+        conn = schema.connect(tmp_path / f"{durability}.db", durability, 100)
         try:
             assert conn.execute("PRAGMA synchronous").fetchone()[0] == level
             assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
@@ -553,3 +555,18 @@ def test_writer_killed_mid_load(tmp_path: Path) -> None:
 
     result, took = run(body)
     assert result == Committed(nxt.id) and took < 1.0
+
+
+def test_a_bad_hook_fails_its_batch_not_the_writer(tmp_path: Path) -> None:
+    """A hook the writer cannot encode (a caller's bug) is answered NotStored with its
+    batch; the thread lives on and stores the next one."""
+    cfg = store_cfg(tmp_path)
+    bad = dataclasses.replace(hook(), headers=(("x-raw", b"bytes"),))  # type: ignore[arg-type]
+    good = hook()
+
+    async def body() -> list[CommitResult]:
+        async with started(cfg) as w:
+            return [await w.commit(bad), await w.commit(good)]
+
+    assert run(body) == [UNAVAILABLE, Committed(good.id)]
+    assert readers.ids(cfg.path) == {good.id}

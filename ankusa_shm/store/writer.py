@@ -173,6 +173,7 @@ class Writer:
         self._conn: sqlite3.Connection | None = None
         self._lock: _WriteLock | None = None
         self._failing = False  # the last transaction failed: log the recovery
+        self._pause = False  # SQLite was busy: pause once the lock is let go
 
     # -- the event loop's side ---------------------------------------------------------------
 
@@ -196,16 +197,17 @@ class Writer:
         if failure:
             self._thread.join()
             raise failure[0]
-        self._accepting = True
 
     async def commit(self, hook: NewHook) -> CommitResult:
         """Store ``hook`` with the next batch. Never raises for the store's sake: a store
         that cannot take it answers ``NotStored("store_unavailable")``."""
         loop = self._loop
-        if not self._accepting or loop is None:
+        if loop is None:
             return UNAVAILABLE
         future: asyncio.Future[CommitResult] = loop.create_future()
         with self._cond:
+            if not self._accepting:  # checked under the mutex: a dying thread drains under it
+                return UNAVAILABLE
             self._queue.append(_Item(hook, future, time.monotonic_ns()))
             if len(self._queue) >= self._wake_at:
                 self._cond.notify()
@@ -217,10 +219,12 @@ class Writer:
         """Delete every index row expired by now (in small transactions); how many went.
         The thread does this by itself every ``sweep_interval_s``."""
         loop = self._loop
-        if not self._accepting or loop is None:
+        if loop is None:
             return 0
         future: asyncio.Future[int] = loop.create_future()
         with self._cond:
+            if not self._accepting:
+                return 0
             self._sweep_waiters.append(future)
             self._cond.notify()
         return await future
@@ -263,16 +267,24 @@ class Writer:
     def _run(self, opened: threading.Event, failure: list[StoreError]) -> None:
         try:
             self._boot()
-        except StoreError as e:
-            failure.append(e)
+        except Exception as e:
+            why = e if isinstance(e, StoreError) else StoreError(f"{self.path}: cannot open: {e}")
+            failure.append(why)
             opened.set()
             return
+        with self._cond:
+            self._accepting = True
         opened.set()
         try:
             self._serve()
-        except Exception:  # a bug: hooks still queued are given up on by the loop's timer
+        except Exception:
             log.exception("%s: the store's writer thread failed", self.path)
         finally:
+            with self._cond:
+                self._accepting = False
+            batch, late = self._take(everything=True)  # empty, unless the thread failed
+            self._hand_back([(item.future, UNAVAILABLE) for item in batch + late])
+            self._finish_sweep(0)
             self._drop_connection()
             if self._lock is not None:
                 self._lock.close()
@@ -345,7 +357,6 @@ class Writer:
                     self.stats.sweeps += 1
                     self._finish_sweep(swept)
                     swept, sweep_at = None, time.monotonic() + interval
-        self._finish_sweep(swept or 0)
 
     def _wait_for_work(self, sweep_at: float) -> None:
         """Under ``_cond``: sleep until hooks arrive, a sweep is due or asked for, or stop;
@@ -391,8 +402,15 @@ class Writer:
         try:
             answers = self._transaction()
         finally:
-            self._lock.release()
+            self._release()
         self._hand_back(answers)
+
+    def _release(self) -> None:
+        assert self._lock is not None
+        self._lock.release()
+        if self._pause:  # outside the lock, so our other processes are not held up
+            self._pause = False
+            time.sleep(_BUSY_PAUSE_S)
 
     def _begin(self) -> sqlite3.Connection | None:
         """With the lock held: reopen if needed and BEGIN IMMEDIATE; None if that failed
@@ -409,19 +427,19 @@ class Writer:
         except sqlite3.Error as e:
             self._failed(f"{self.path}: {e}")
             if _busy(e):
-                time.sleep(_BUSY_PAUSE_S)
+                self._pause = True
             else:
                 self._drop_connection()
             return None
         return self._conn
 
-    def _fail(self, conn: sqlite3.Connection, e: sqlite3.Error) -> None:
+    def _fail(self, conn: sqlite3.Connection, e: Exception) -> None:
         """Roll back a failed transaction; keep the connection only if it was merely busy."""
         self._failed(f"{self.path}: {e}")
         with contextlib.suppress(sqlite3.Error):
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
-        if not _busy(e):
+        if not (isinstance(e, sqlite3.Error) and _busy(e)):
             self._drop_connection()
 
     def _failed(self, what: str) -> None:
@@ -449,7 +467,9 @@ class Writer:
         try:
             results = self._insert(conn, [item.hook for item in batch])
             conn.execute("COMMIT")
-        except sqlite3.Error as e:
+        except Exception as e:  # an SQLite error; anything else is a bug, still not fatal
+            if not isinstance(e, sqlite3.Error):
+                log.exception("%s: a batch failed", self.path)
             self._fail(conn, e)
             self.stats.not_stored += len(batch)
             results = [UNAVAILABLE] * len(batch)
@@ -508,7 +528,7 @@ class Writer:
                 self._fail(conn, e)
                 return None
         finally:
-            self._lock.release()
+            self._release()
         self.stats.swept += deleted
         return deleted
 
