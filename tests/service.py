@@ -78,7 +78,12 @@ class Service:
 
     # -- life -------------------------------------------------------------------------
 
-    def start(self, env: dict[str, str] | None = None) -> Service:
+    def start(
+        self,
+        env: dict[str, str] | None = None,
+        argv_prefix: list[str] | None = None,
+        pass_fds: tuple[int, ...] = (),
+    ) -> Service:
         if self.notify is None:
             self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             self.notify.bind(str(self.notify_path))
@@ -86,7 +91,16 @@ class Service:
         log = open(self.log_path, "ab")  # noqa: SIM115 -- the child writes it; closed below
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "ankusa_shm", "serve", "--config", str(self.config_path)],
+                [
+                    *(argv_prefix or []),
+                    sys.executable,
+                    "-m",
+                    "ankusa_shm",
+                    "serve",
+                    "--config",
+                    str(self.config_path),
+                ],
+                pass_fds=pass_fds,
                 env={**self.env, "NOTIFY_SOCKET": str(self.notify_path), **(env or {})},
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -191,3 +191,16 @@ def test_keep_alive_serves_many_requests_on_one_connection(svc: Service) -> None
         assert svc.post("github", body, signed(body), conn=c).status == 201
     c.close()
     assert readers.count(svc.store_path) == 50
+
+
+def test_expect_100_continue_gets_its_interim_answer(svc: Service) -> None:
+    body = b'{"big":"' + b"x" * 2000 + b'"}'
+    head = "".join(f"{k}: {v}\r\n" for k, v in signed(body, "expecting").items())
+    with socket.create_connection(("127.0.0.1", svc.port), timeout=5) as s:
+        s.sendall(
+            f"POST /hooks/github HTTP/1.1\r\nexpect: 100-continue\r\n"
+            f"content-length: {len(body)}\r\n{head}\r\n".encode()
+        )
+        assert s.recv(65536) == b"HTTP/1.1 100 Continue\r\n\r\n"  # before any body byte
+        s.sendall(body)
+        assert s.recv(65536).startswith(b"HTTP/1.1 201 ")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sqlite3
 import threading
 import time
@@ -269,3 +270,21 @@ def test_a_store_that_cannot_write_answers_503_releases_the_claim_and_recovers(
     assert again.status == 201 and "duplicate" not in again.body
     assert readers.ids(svc.store_path) == {again.body["id"]}
     wait_until(lambda: r.get(key) == f"c:{again.body['id']}".encode(), what="promoted")
+
+
+def test_sockets_from_systemd_socket_activation(make: list[Service], tmp_path: Path) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    svc = service(make, tmp_path, server={"listen": ["127.0.0.1:1"]})  # ignored: fds win
+    fd = listener.fileno()
+    # As systemd does: the socket as fd 3, LISTEN_PID naming the process that execs.
+    svc.start(
+        env={"LISTEN_FDS": "1"},
+        argv_prefix=["bash", "-c", f'exec 3<&{fd}; LISTEN_PID=$$ exec "$0" "$@"'],
+        pass_fds=(fd,),
+    )
+    listener.close()
+    svc.port = port
+    body = b"{}"
+    assert svc.post("github", body, signed(body)).status == 201
+    assert f"serving on 127.0.0.1:{port}" in svc.log()

@@ -184,6 +184,9 @@ class Connection(asyncio.Protocol):
             too_large = value.isdigit() and int(value) > self._limits.max_body_bytes
             if name == b"content-length" and too_large:
                 raise _Reject(413, "too_large")
+            if name == b"expect" and value.lower() == b"100-continue" and self._transport:
+                # curl and others wait for this (a second, with curl) before the body
+                self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         self._set_deadline(self._limits.body_timeout_s, "body_timeout")
 
     def on_body(self, body: bytes) -> None:

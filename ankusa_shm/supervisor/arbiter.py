@@ -33,6 +33,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import setproctitle
+
 from ankusa_shm import child, config
 from ankusa_shm.clock import monotonic_ms
 from ankusa_shm.config import Config
@@ -124,6 +126,7 @@ class Arbiter:
                 cfg.server.listen, cfg.server.backlog
             )
             self._install_signals()
+            setproctitle.setproctitle(f"ankusa-shm: supervisor [{self._seg.name.lstrip('/')}]")
             log.info(
                 "serving on %s with %d workers (segment %s, store %s)",
                 socks.describe(self._sockets),
