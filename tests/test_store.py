@@ -11,6 +11,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import random
 import resource
 import select
 import signal
@@ -29,13 +30,14 @@ import pytest
 from ankusa_shm import config
 from ankusa_shm.config import ConfigError
 from ankusa_shm.hooks import AlreadyStored, CommitResult, Committed, NewHook, NotStored
-from ankusa_shm.store import readers, schema
+from ankusa_shm.store import readers, schema, writer
 from ankusa_shm.store.writer import (
     SWEEP_ROWS,
     UNAVAILABLE,
     StoreError,
     WallClock,
     Writer,
+    encode_headers,
     wall_ms,
 )
 
@@ -238,6 +240,111 @@ def test_expired_index_row_is_replaced(tmp_path: Path) -> None:
     assert index_rows(cfg.path) == {b"k": (second.id, T0 + 10_000 + 10_000)}
 
 
+def test_duplicate_id_leaves_its_key_unclaimed(tmp_path: Path) -> None:
+    """A hook whose id is taken (a caller's bug) is answered duplicate_id in the middle of
+    a batch and claims nothing: a later hook of its key in the same batch is stored."""
+    cfg = store_cfg(tmp_path, commit_wait_ms=20)
+    first = hook()
+    a, c, d = hook(b"k1"), hook(b"k2"), hook(b"k1")
+    dup = dataclasses.replace(hook(b"k2"), id=first.id)
+
+    async def body() -> tuple[list[CommitResult], int]:
+        async with started(cfg) as w:
+            await w.commit(first)
+            results = await asyncio.gather(*(w.commit(h) for h in (a, dup, c, d)))
+            return list(results), w.stats.batches
+
+    results, batches = run(body)
+    assert results == [
+        Committed(a.id),
+        NotStored("duplicate_id"),
+        Committed(c.id),
+        AlreadyStored(a.id),
+    ]
+    assert batches == 2
+    assert readers.ids(cfg.path) == {first.id, a.id, c.id}
+    assert {k: h for k, (h, _) in index_rows(cfg.path).items()} == {b"k1": a.id, b"k2": c.id}
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "per-hook"])
+@pytest.mark.parametrize("max_batch", [7, 300])
+def test_batches_decide_as_one_hook_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batched: bool, max_batch: int
+) -> None:
+    """Random rounds of hooks (few keys, two sources, windows of 0 to 2 s, some taken ids),
+    the clock moving between rounds, through the batched statements (batches of 7 and of
+    up to 300: several statements of each size) and through the per-hook ones: every
+    answer, the stored hooks in their order and the index are what deciding each hook
+    alone, in order, gives."""
+    monkeypatch.setattr(writer, "_BATCHED", batched)
+    rng = random.Random(7)
+    cfg = store_cfg(tmp_path, commit_wait_ms=20, max_batch=max_batch)
+    index: dict[tuple[str, bytes], tuple[str, int]] = {}
+    stored: list[str] = []
+    expected: list[CommitResult] = []
+    rounds: list[tuple[int, list[NewHook]]] = []
+    now = T0
+    for _ in range(12):
+        group: list[NewHook] = []
+        for _ in range(rng.choice([1, 5, 60, 140, 290])):
+            key = None if rng.random() < 0.3 else b"k%d" % rng.randrange(40)
+            h = hook(key, source=rng.choice(["github", "stripe"]), ttl_s=rng.choice([0, 1, 2]))
+            if rng.random() < 0.03 and stored:
+                h = dataclasses.replace(h, id=rng.choice(stored))
+            group.append(h)
+            seen = index.get((h.source, key)) if key is not None else None
+            if seen is not None and seen[1] > now:
+                expected.append(AlreadyStored(seen[0]))
+            elif h.id in stored:
+                expected.append(NotStored("duplicate_id"))
+            else:
+                stored.append(h.id)
+                if key is not None:
+                    index[h.source, key] = (h.id, now + h.dedupe_ttl_s * 1000)
+                expected.append(Committed(h.id))
+        rounds.append((now, group))
+        now += rng.choice([0, 500, 1_000, 2_000])
+    assert {type(r) for r in expected} == {Committed, AlreadyStored, NotStored}
+    wall = FakeWall()
+
+    async def body() -> list[CommitResult]:
+        results: list[CommitResult] = []
+        async with started(cfg, wall) as w:
+            for at, group in rounds:
+                wall.now = at
+                results += await asyncio.gather(*(w.commit(h) for h in group))
+        return results
+
+    assert run(body) == expected
+    in_order: list[str] = []
+    cursor = 0
+    while page := readers.page(cfg.path, cursor, 500):
+        in_order += [p.id for p in page]
+        cursor = page[-1].seq
+    assert in_order == stored
+    conn = sqlite3.connect(cfg.path)
+    try:
+        rows = conn.execute("SELECT source, event_key, hook_id, expires_ms FROM dedupe")
+        assert {(s, k): (h, e) for s, k, h, e in rows} == index
+    finally:
+        conn.close()
+
+
+def test_headers_are_stored_as_compact_json() -> None:
+    tricky = (
+        ("x-quote", 'say "hi"'),
+        ("x-slash", "a\\b/c"),
+        ("x-ctl", "tab\tnl\nnul\x00"),
+        ("x-utf8", "caf\u00e9 \U0001f600"),
+        ("", ""),
+    )
+    for headers in [(), tricky[:1], tricky]:
+        assert encode_headers(headers) == json.dumps(headers, separators=(",", ":"))
+        assert tuple(map(tuple, json.loads(encode_headers(headers)))) == headers
+    with pytest.raises(TypeError):
+        encode_headers((("x-raw", b"bytes"),))  # type: ignore[arg-type]
+
+
 def test_keyless_hooks_always_stored(tmp_path: Path) -> None:
     cfg = store_cfg(tmp_path)
     hooks = [hook(None) for _ in range(3)]
@@ -325,6 +432,98 @@ def test_close_finishes_what_was_submitted(tmp_path: Path) -> None:
     assert results == [Committed(h.id) for h in hooks]
     assert late == UNAVAILABLE
     assert readers.count(cfg.path) == 50
+
+
+def lock_is_free(db: str) -> bool:
+    """Whether the writers' flock is free now (another open file: it conflicts even with a
+    writer of this process)."""
+    fd = os.open(schema.lock_path(db), os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)  # closing lets go of it
+    return True
+
+
+def test_checkpoints_run_outside_the_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer's connection never checkpoints in COMMIT; the writer checkpoints by itself
+    once it has logged about CHECKPOINT_PAGES, with the writers' flock free, so the log is
+    rewound and stays short. Readers read through it all."""
+    monkeypatch.setattr(writer, "CHECKPOINT_PAGES", 100)
+    cfg = store_cfg(tmp_path, commit_wait_ms=0, durability="os")
+    seen: list[tuple[int, bool]] = []  # (wal_autocheckpoint, flock free) per checkpoint
+    real_connect = schema.connect
+
+    def connect(*args: Any, **kw: Any) -> sqlite3.Connection:
+        conn = real_connect(*args, **kw)
+        auto = conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0]
+
+        def trace(sql: str) -> None:
+            if sql.startswith("PRAGMA wal_checkpoint"):
+                seen.append((auto, lock_is_free(cfg.path)))
+
+        conn.set_trace_callback(trace)
+        return conn
+
+    monkeypatch.setattr(schema, "connect", connect)
+    hooks = [hook(b"c%d" % i, body=os.urandom(3000)) for i in range(600)]
+
+    async def body() -> tuple[int, int, int]:
+        async with started(cfg) as w:
+            for h in hooks:  # one transaction each: about 7 pages
+                assert await w.commit(h) == Committed(h.id)
+            wal = os.path.getsize(cfg.path + "-wal")
+            return w.stats.checkpoints, w.stats.locked_checkpoints, wal
+
+    checkpoints, locked, wal = run(body)
+    print(f"{checkpoints} checkpoints, -wal file {wal >> 10} KiB")
+    assert checkpoints >= 30 and locked == 0  # every ~15 transactions: 40
+    assert seen and all(s == (0, True) for s in seen)
+    assert wal < 1 << 20  # ~100 pages of log at most; never rewound, it would be ~17 MiB
+    assert readers.ids(cfg.path) == {h.id for h in hooks}
+
+
+def test_two_writers_keep_the_log_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two writers (two connections and lock files, as two processes have) commit at once:
+    the log is rewound only by a write that begins after a checkpoint copied all of it,
+    which one writer's appending while the other checkpoints keeps from happening; a log
+    past WAL_LIMIT_FRAMES is therefore finished under the lock. The -wal file stays near
+    that limit instead of holding all that was written."""
+    monkeypatch.setattr(writer, "CHECKPOINT_PAGES", 64)
+    monkeypatch.setattr(writer, "WAL_LIMIT_FRAMES", 256)
+    cfg = store_cfg(tmp_path)  # fsync: a disk that stalls holds both writers up alike
+    n = 2500
+    hooks = [
+        [hook(b"%s-%d" % (tag, i), body=os.urandom(2000)) for i in range(n)] for tag in (b"a", b"b")
+    ]
+
+    async def body() -> tuple[list[writer.WriterStats], int]:
+        async with started(cfg) as a, started(cfg) as b:
+
+            async def load(w: Writer, mine: list[NewHook]) -> None:
+                it = iter(mine)
+
+                async def client() -> None:
+                    for h in it:
+                        assert isinstance(await w.commit(h), Committed)
+
+                await asyncio.gather(*(client() for _ in range(32)))
+
+            await asyncio.gather(load(a, hooks[0]), load(b, hooks[1]))
+            return [a.stats, b.stats], os.path.getsize(cfg.path + "-wal")
+
+    stats, wal = run(body)
+    written = 2 * n * 2000
+    print(
+        f"checkpoints {[s.checkpoints for s in stats]}, under the lock"
+        f" {[s.locked_checkpoints for s in stats]}; -wal file {wal >> 20} MiB of"
+        f" {written >> 20} MiB of bodies written"
+    )
+    assert sum(s.locked_checkpoints for s in stats) >= 1
+    assert wal < 8 << 20  # 256 frames is 1 MiB; left to grow, the log got to 38 MiB
+    assert readers.count(cfg.path) == 2 * n
 
 
 def test_start_fails_with_one_line_naming_the_path(tmp_path: Path) -> None:

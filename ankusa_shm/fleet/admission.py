@@ -18,9 +18,8 @@ a message to another process.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import os
+import random
 from dataclasses import dataclass
 
 from ankusa_shm.clock import Clock, monotonic_ns
@@ -130,7 +129,9 @@ class Fleet:
         if event_key is not None:
             ttl_s = (source.dedupe or SourceDedupe()).ttl_seconds
             key = self._store.dedupe_key(source.tenant, source.id, event_key)
-            claim = Claim(key, os.urandom(16), ttl_s * 1000)
+            # Unique, not secret: ``random`` is reseeded in every forked child, and a
+            # system call per hook would hand the GIL to the store's writer thread.
+            claim = Claim(key, random.getrandbits(128).to_bytes(16), ttl_s * 1000)
         permit = self._breaker.allow(now_ms)
         if permit.call:
             answer = await self._ask_store(permit, source.tenant, limit, claim, now)
@@ -212,7 +213,7 @@ class Fleet:
         if not ok:
             return None
         if claim is not None:  # answered: the claim was written, if at all, before now
-            claim = dataclasses.replace(claim, claimed_ms=self._clock() // 1_000_000)
+            claim = Claim(claim.key, claim.token, claim.ttl_ms, self._clock() // 1_000_000)
         if self._breaker.state() == State.CLOSED:  # a late success while open changes nothing
             for kind in self._kinds:
                 self._degraded.set(kind, False)

@@ -4,6 +4,12 @@ One SQLite file in WAL mode, so readers never block the writer and a commit is o
 to the log (plus one fsync under ``durability = "fsync"``). The file carries an
 application id and a schema version; a file that is someone else's database, or was
 written by a newer ankusa-shm, is refused rather than altered.
+
+The writer opens its connections with ``autocheckpoint=False``: SQLite's automatic
+checkpoint runs inside the COMMIT that crosses the threshold, i.e. while the writer holds
+the writers' flock, and stalls every other writer process for as long as it takes to copy
+the log into the database and fsync it. The writer checkpoints by itself instead, after
+letting go of the lock (see ``writer``).
 """
 
 from __future__ import annotations
@@ -53,11 +59,15 @@ def lock_path(path: str | Path) -> Path:
     return Path(f"{path}.lock")
 
 
-def connect(path: str | Path, durability: Durability, busy_timeout_ms: int) -> sqlite3.Connection:
+def connect(
+    path: str | Path, durability: Durability, busy_timeout_ms: int, *, autocheckpoint: bool = True
+) -> sqlite3.Connection:
     """A read-write connection in WAL mode, creating the file (not the schema) if needed.
 
     ``isolation_level=None``: the writer issues BEGIN IMMEDIATE and COMMIT itself, so the
-    write lock is taken at a moment it chooses, not at the first INSERT.
+    write lock is taken at a moment it chooses, not at the first INSERT. Without
+    ``autocheckpoint`` its commits never checkpoint (``wal_autocheckpoint = 0``): whoever
+    opens it so must run ``PRAGMA wal_checkpoint`` itself, or the log grows forever.
     """
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=True)
     try:
@@ -66,6 +76,8 @@ def connect(path: str | Path, durability: Durability, busy_timeout_ms: int) -> s
         if str(mode).lower() != "wal":
             raise sqlite3.OperationalError(f"journal_mode is {mode}, not wal")
         conn.execute(f"PRAGMA synchronous = {_SYNCHRONOUS[durability]}")
+        if not autocheckpoint:
+            conn.execute("PRAGMA wal_autocheckpoint = 0")
     except BaseException:
         conn.close()
         raise

@@ -1,12 +1,16 @@
 """The peer stack for scripts/bench_http.py: the same job as ankusa-shm, assembled the way a
-Python engineer would from well-known parts, each used as its documentation suggests.
+Python engineer would from well-known parts.
 
 - uvicorn (uvloop, httptools) with several worker processes, and Starlette for routing;
 - the GitHub signature (``x-hub-signature-256``) checked with ``hmac.compare_digest``;
 - the tenant's limit from the ``limits`` library's moving window, on Redis;
 - dedupe as a Redis ``SET NX EX`` claim on the delivery id, released if the store fails;
-- SQLite in WAL mode with ``synchronous=FULL``, one commit per hook, run in Starlette's
-  thread pool so a commit never blocks the event loop (one connection per thread).
+- SQLite in WAL mode with ``synchronous=FULL``, one commit per hook, on one connection per
+  worker, committed in the handler itself. That blocks the event loop for the commit, but
+  it is the faster of the two obvious ways: Starlette's thread pool (a connection per
+  thread) was measured here at 700-950 hooks/s with a p99 of 1.5-2.2 s, against
+  1,300-1,500 hooks/s and 160-250 ms this way: its many writers starve each other in
+  SQLite's busy handler. The peer gets its better variant.
 
 The statuses are the service's: 201 accepted (``"duplicate": true`` for a repeat), 429
 with Retry-After, 401, 404, 413, 503 store_unavailable. Configured by environment:
@@ -24,7 +28,6 @@ import json
 import math
 import os
 import sqlite3
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -35,7 +38,6 @@ from limits import parse
 from limits.aio.storage import RedisStorage
 from limits.aio.strategies import MovingWindowRateLimiter
 from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -52,34 +54,24 @@ SCHEMA = """CREATE TABLE IF NOT EXISTS hooks (
     id TEXT PRIMARY KEY, tenant TEXT NOT NULL, source TEXT NOT NULL, event_key TEXT,
     received_ms INTEGER NOT NULL, headers TEXT NOT NULL, body BLOB NOT NULL)"""
 
-_local = threading.local()
-
-
-def _connection() -> sqlite3.Connection:
-    """This thread's connection: sqlite3 connections are not shared between threads."""
-    conn: sqlite3.Connection | None = getattr(_local, "conn", None)
-    if conn is None:
-        conn = sqlite3.connect(DB_PATH, timeout=5.0)
-        conn.execute("PRAGMA journal_mode = WAL")
-        conn.execute("PRAGMA synchronous = FULL")
-        conn.execute(SCHEMA)
-        _local.conn = conn
-    return conn
-
-
-def _store(row: tuple[str, str, str, str | None, int, str, bytes]) -> None:
-    conn = _connection()
-    with conn:  # one transaction, one commit (and one fsync of the WAL) per hook
-        conn.execute("INSERT INTO hooks VALUES (?, ?, ?, ?, ?, ?, ?)", row)
+Row = tuple[str, str, str, str | None, int, str, bytes]
 
 
 class Peer:
-    """The Redis clients of one worker process, made inside its event loop."""
+    """One worker process's clients, made in that process once its event loop runs."""
 
     def __init__(self) -> None:
         self.redis = aioredis.from_url(REDIS_URL)
         storage = RedisStorage("async+" + REDIS_URL, implementation="redispy")
         self.limiter = MovingWindowRateLimiter(storage)
+        self.db = sqlite3.connect(DB_PATH, timeout=5.0)
+        self.db.execute("PRAGMA journal_mode = WAL")
+        self.db.execute("PRAGMA synchronous = FULL")
+        self.db.execute(SCHEMA)
+
+    def store(self, row: Row) -> None:
+        with self.db:  # one transaction, one commit (and one fsync of the WAL) per hook
+            self.db.execute("INSERT INTO hooks VALUES (?, ?, ?, ?, ?, ?, ?)", row)
 
 
 def _error(status: int, error: str, retry_after: int | None = None) -> JSONResponse:
@@ -109,13 +101,13 @@ async def hook(request: Request) -> JSONResponse:
     claim = f"peer:{{{tenant}}}:dd:{source}:{event_key}"
     if event_key and not await peer.redis.set(claim, hook_id, nx=True, ex=DEDUPE_TTL_S):
         original = await peer.redis.get(claim)
-        first = original.decode() if original else hook_id
+        first = original.decode() if isinstance(original, bytes) else original or hook_id
         return JSONResponse({"status": "accepted", "id": first, "duplicate": True}, 201)
 
     headers = json.dumps(list(request.headers.items()))
     row = (hook_id, tenant, source, event_key, int(time.time() * 1000), headers, body)
     try:
-        await run_in_threadpool(_store, row)
+        peer.store(row)
     except sqlite3.Error:
         if event_key:
             await peer.redis.delete(claim)
@@ -128,6 +120,7 @@ async def lifespan(app: Starlette) -> AsyncIterator[None]:
     app.state.peer = peer = Peer()
     yield
     await peer.redis.aclose()
+    peer.db.close()
 
 
 app = Starlette(routes=[Route("/hooks/{source}", hook, methods=["POST"])], lifespan=lifespan)
