@@ -38,7 +38,7 @@ LINGER_S = 1.0  # after an error answer: how long to discard what the client sti
 class Request:
     method: bytes
     path: bytes  # without the query string
-    headers: list[tuple[bytes, bytes]]  # names lower-case, as received
+    headers: list[tuple[str, str]]  # latin-1 text, names lower-case, in the order received
     body: bytes
 
 
@@ -107,8 +107,9 @@ class Connection(asyncio.Protocol):
         # the request being parsed
         self._in_request = False
         self._url = b""
-        self._headers: list[tuple[bytes, bytes]] = []
+        self._headers: list[tuple[str, str]] = []
         self._header_bytes = 0
+        self._expect_continue = False
         self._body: list[bytes] = []
         self._body_bytes = 0
         self._deadline = 0.0  # monotonic seconds; 0 when none applies
@@ -167,6 +168,7 @@ class Connection(asyncio.Protocol):
         self._url = b""
         self._headers = []
         self._header_bytes = 0
+        self._expect_continue = False
         self._body = []
         self._body_bytes = 0
         self._set_deadline(self._limits.header_timeout_s, "header_timeout")
@@ -177,16 +179,20 @@ class Connection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._count_header_bytes(len(name) + len(value) + 4)
-        self._headers.append((name.lower(), value))
+        # Decoded once, here: every later stage reads headers as text.
+        key = name.decode("latin-1").lower()
+        text = value.decode("latin-1")
+        self._headers.append((key, text))
+        if key == "content-length":
+            if text.isdigit() and int(text) > self._limits.max_body_bytes:
+                raise _Reject(413, "too_large")
+        elif key == "expect":
+            self._expect_continue = text.lower() == "100-continue"
 
     def on_headers_complete(self) -> None:
-        for name, value in self._headers:
-            too_large = value.isdigit() and int(value) > self._limits.max_body_bytes
-            if name == b"content-length" and too_large:
-                raise _Reject(413, "too_large")
-            if name == b"expect" and value.lower() == b"100-continue" and self._transport:
-                # curl and others wait for this (a second, with curl) before the body
-                self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if self._expect_continue and self._transport is not None:
+            # curl and others wait for this (a second, with curl) before the body
+            self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         self._set_deadline(self._limits.body_timeout_s, "body_timeout")
 
     def on_body(self, body: bytes) -> None:

@@ -111,8 +111,7 @@ class RequestPath:
         if route is None:
             return UNKNOWN_SOURCE
         self._row.add(Counter.REQUESTS)
-        pairs = tuple((n.decode("latin-1"), v.decode("latin-1")) for n, v in req.headers)
-        headers = dict(pairs)
+        headers = dict(req.headers)
         now_s = self._wall_s()
         if route.verifier is not None and not route.verifier.verify(headers, req.body, now_s):
             return BAD_SIGNATURE
@@ -134,7 +133,7 @@ class RequestPath:
             event_key=key,
             dedupe_ttl_s=route.dedupe_ttl_s,
             received_ms=wall_ms,
-            headers=tuple(p for p in pairs if p[0] not in _NOT_KEPT),
+            headers=tuple(p for p in req.headers if p[0] not in _NOT_KEPT),
             body=req.body,
         )
         result: CommitResult = await self._writer.commit(hook)
