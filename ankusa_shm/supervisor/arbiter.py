@@ -28,7 +28,6 @@ import logging
 import os
 import select
 import signal
-import socket
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -75,6 +74,7 @@ class Child:
     cfg: Config  # the configuration it was forked with: current while it is ``self.cfg``
     started: float  # monotonic s
     ready_fd: int | None  # read end of the readiness pipe, until the child is ready
+    lane: int  # which lane's sockets a worker accepts on (``sockets.Listeners``)
     ready: bool = False
     retiring: bool = False  # told to stop
     abort_sent: float | None = None  # monotonic s of the SIGABRT for a silent heartbeat
@@ -110,7 +110,7 @@ class Arbiter:
         self._announced_ready = False
         self._last_watchdog = 0.0
         self._seg: Segment | None = None
-        self._sockets: list[socket.socket] = []
+        self._listeners: socks.Listeners | None = None
         self._wake_r, self._wake_w = -1, -1
 
     # -- the life of the supervisor -------------------------------------------------------
@@ -122,22 +122,20 @@ class Arbiter:
         )
         try:
             self._seg.write_config(cfg.public())
-            self._sockets = socks.from_systemd() or socks.bind(
-                cfg.server.listen, cfg.server.backlog
-            )
+            self._listeners = socks.Listeners(cfg.server.listen, cfg.server.backlog)
             self._install_signals()
             setproctitle.setproctitle(f"ankusa-shm: supervisor [{self._seg.name.lstrip('/')}]")
             log.info(
                 "serving on %s with %d workers (segment %s, store %s)",
-                socks.describe(self._sockets),
+                self._listeners.describe(),
                 self._target,
                 self._seg.name,
                 cfg.store.path,
             )
             return self._loop()
         finally:
-            for s in self._sockets:
-                s.close()
+            if self._listeners is not None:
+                self._listeners.close()
             self.notifier.close()
             self._seg.close()
 
@@ -208,18 +206,18 @@ class Arbiter:
 
     # -- children ---------------------------------------------------------------------------
 
-    def _spawn(self, kind: Kind) -> None:
+    def _spawn(self, kind: Kind, lane: int = 0) -> None:
         assert self._seg is not None
         ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
         pid = os.fork()
         if pid == 0:
             os.close(ready_r)
-            self._in_child(kind, ready_w)
+            self._in_child(kind, ready_w, lane)
         os.close(ready_w)
-        self._children[pid] = Child(pid, kind, self.cfg, time.monotonic(), ready_r)
+        self._children[pid] = Child(pid, kind, self.cfg, time.monotonic(), ready_r, lane)
         log.info("%s %d started", kind.value, pid)
 
-    def _in_child(self, kind: Kind, ready_w: int) -> None:
+    def _in_child(self, kind: Kind, ready_w: int, lane: int) -> None:
         """In the forked child: let go of what is the supervisor's, then run."""
         parent = os.getppid()
         os.close(self._wake_r)
@@ -227,8 +225,12 @@ class Arbiter:
         for c in self._children.values():
             if c.ready_fd is not None:
                 os.close(c.ready_fd)
-        seg, cfg, listeners = self._seg, self.cfg, self._sockets
-        assert seg is not None
+        seg, cfg, listeners = self._seg, self.cfg, self._listeners
+        assert seg is not None and listeners is not None
+        mine = listeners.lane(lane) if kind is Kind.WORKER else []
+        for s in listeners.all():  # the other lanes' sockets are not this child's
+            if s not in mine:
+                s.close()
         title = f"ankusa-shm: {kind.value} [{seg.name.lstrip('/')}]"
 
         def ready() -> None:
@@ -240,12 +242,10 @@ class Arbiter:
             from ankusa_shm.fleet import drainer
 
             if kind is Kind.DRAINER:
-                for s in listeners:
-                    s.close()
                 slot = procs.claim(seg.view, seg.layout, Role.DRAINER)
                 return drainer.main(cfg, seg, slot, ready)
             slot = procs.claim(seg.view, seg.layout, Role.WORKER)
-            return worker.main(cfg, seg, slot, listeners, ready)
+            return worker.main(cfg, seg, slot, mine, ready)
 
         child.run(title, parent, body)
 
@@ -318,11 +318,21 @@ class Arbiter:
         starting = any(not c.ready for c in current)
         b = self._backoff[Kind.WORKER]
         if len(workers) < self._target and now >= b.not_before:
-            self._spawn(Kind.WORKER)
+            self._spawn(Kind.WORKER, _free_lane(workers, self._target))
         elif old and not starting and len(current) < self._target:
-            self._spawn(Kind.WORKER)  # the replacement of an old one, before it goes
+            # the replacement of an old one, on its lane, before it goes
+            self._spawn(Kind.WORKER, _free_lane(current, self._target))
         elif len(workers) > self._target and not starting:
-            self._retire(old[0] if old else max(current, key=lambda c: c.started))
+            lanes = {c.lane for c in current}
+            extra = [c for c in old if c.lane in lanes or c.lane >= self._target]
+            self._retire(
+                (extra or old)[0] if old else max(current, key=lambda c: (c.lane, c.started))
+            )
+        assert self._listeners is not None
+        if not any(
+            c.kind is Kind.WORKER and c.lane >= self._target for c in self._children.values()
+        ):
+            self._listeners.trim(self._target)
 
         drainers = [c for c in self._children.values() if c.kind is Kind.DRAINER]
         want_drainer = bool(self.cfg.fleet_kinds)
@@ -391,12 +401,15 @@ class Arbiter:
             self._last_watchdog = now
             self.notifier.send("WATCHDOG=1", self._status())
 
+    def _describe(self) -> str:
+        return self._listeners.describe() if self._listeners is not None else "nothing"
+
     def _status(self) -> str:
         workers = sum(1 for c in self._children.values() if c.kind is Kind.WORKER and c.ready)
         drainer = any(c.kind is Kind.DRAINER for c in self._children.values())
         fleet = "+".join(self.cfg.fleet_kinds) or "node only"
         return (
-            f"STATUS=serving on {socks.describe(self._sockets)}: {workers} workers, "
+            f"STATUS=serving on {self._describe()}: {workers} workers, "
             f"fleet {fleet}{', drainer up' if drainer else ''}"
         )
 
@@ -432,9 +445,8 @@ class Arbiter:
         self._stop = _Stop(graceful, now + timeout)
         self.notifier.send("STOPPING=1", "STATUS=stopping")
         log.info("stopping (%s)", "graceful" if graceful else "fast")
-        for s in self._sockets:  # the port goes away once the workers close theirs too
-            s.close()
-        self._sockets = []
+        if self._listeners is not None:  # the port goes once the workers close theirs too
+            self._listeners.close()
         for c in self._children.values():
             if c.kind is Kind.WORKER or not graceful:
                 c.retiring = True
@@ -464,6 +476,12 @@ class Arbiter:
                 c.retiring = True
                 _kill(c.pid, signal.SIGTERM)
         return False
+
+
+def _free_lane(workers: list[Child], target: int) -> int:
+    """The first lane none of ``workers`` accepts on."""
+    taken = {c.lane for c in workers}
+    return next(i for i in range(target + len(taken) + 1) if i not in taken)
 
 
 def _worker_count(cfg: Config) -> int:
