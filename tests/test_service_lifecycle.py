@@ -202,16 +202,25 @@ def test_hup_applies_a_new_limit_without_refusing_a_connection(
     assert svc.post("github", b"{}", signed(b"{}")).status == 201
 
 
+def listening_sockets(port: int) -> int:
+    """LISTEN sockets on ``port``: one per worker lane (shared fds are one socket)."""
+    rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return sum(1 for r in rows if r.split()[1].endswith(f":{port:04X}") and r.split()[3] == "0A")
+
+
 def test_ttin_and_ttou_change_the_worker_count(make: list[Service], tmp_path: Path) -> None:
     svc = service(make, tmp_path).start()
+    assert listening_sockets(svc.port) == 2
     svc.send(signal.SIGTTIN)
     wait_until(lambda: len(svc.pids("worker")) == 3, what="a third worker")
+    assert listening_sockets(svc.port) == 3
     for left in (2, 1):  # one at a time: two pending TTOUs are one signal to the kernel
         svc.send(signal.SIGTTOU)
         wait_until(lambda n=left: len(svc.pids("worker")) == n, what=f"down to {left}")
     svc.send(signal.SIGTTOU)  # never below one
     time.sleep(0.5)
     assert len(svc.pids("worker")) == 1
+    assert listening_sockets(svc.port) == 1  # no lane left that nobody accepts from
     assert svc.post("github", b"{}", signed(b"{}")).status == 201
 
 

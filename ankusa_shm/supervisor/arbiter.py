@@ -325,9 +325,13 @@ class Arbiter:
         elif len(workers) > self._target and not starting:
             lanes = {c.lane for c in current}
             extra = [c for c in old if c.lane in lanes or c.lane >= self._target]
-            self._retire(
-                (extra or old)[0] if old else max(current, key=lambda c: (c.lane, c.started))
-            )
+            victim = (extra or old)[0] if old else max(current, key=lambda c: (c.lane, c.started))
+            self._retire(victim)
+            if victim.lane >= self._target:
+                # Its lane goes now, not when it exits: the kernel would go on queueing
+                # connections on a lane nobody accepts from any more.
+                assert self._listeners is not None
+                self._listeners.trim(self._target)
         assert self._listeners is not None
         if not any(
             c.kind is Kind.WORKER and c.lane >= self._target for c in self._children.values()
