@@ -26,16 +26,6 @@ log = logging.getLogger("ankusa_shm.child")
 
 BOOT_ERROR = 3  # as gunicorn's workers: the supervisor stops instead of respawning
 _PR_SET_PDEATHSIG = 1
-_RESET = (
-    signal.SIGTERM,
-    signal.SIGINT,
-    signal.SIGQUIT,
-    signal.SIGHUP,
-    signal.SIGTTIN,
-    signal.SIGTTOU,
-    signal.SIGCHLD,
-    signal.SIGABRT,
-)
 
 
 class BootError(Exception):
@@ -70,10 +60,11 @@ def run(title: str, parent: int, body: Callable[[], int]) -> NoReturn:
     code = 1
     try:
         die_with_parent(parent)
-        faulthandler.enable()  # SIGABRT from the supervisor prints where the loop was stuck
         signal.set_wakeup_fd(-1)
-        for sig in _RESET:
-            signal.signal(sig, signal.SIG_DFL)
+        for sig in signal.valid_signals():  # whatever the supervisor handled, the child does not
+            if callable(signal.getsignal(sig)):
+                signal.signal(sig, signal.SIG_DFL)
+        faulthandler.enable()  # SIGABRT from the supervisor prints where the loop was stuck
         setproctitle.setproctitle(title)
         code = body()
     except BootError as e:

@@ -326,6 +326,11 @@ class Source:
     verify: Verify = setting(Verify(), "Signature verification.")
     dedupe: SourceDedupe | None = setting(None, "How the event key is found.")
 
+    @property
+    def dedupe_ttl_s(self) -> int:
+        """The dedupe window of this source's events (the default when it sets none)."""
+        return (self.dedupe or SourceDedupe()).ttl_seconds
+
 
 @dataclass(frozen=True)
 class Config:

@@ -46,66 +46,70 @@ def limits(cfg: Config) -> Limits:
     )
 
 
-def main(
-    cfg: Config,
-    seg: Segment,
-    slot: ProcessSlot,
-    sockets: list[socket.socket],
-    ready: Callable[[], None],
-) -> int:
-    return uvloop.run(_serve(cfg, seg, slot, sockets, ready))
+class Worker:
+    """One worker process's life, from the supervisor's fork to its exit status."""
 
+    def __init__(
+        self,
+        cfg: Config,
+        seg: Segment,
+        slot: ProcessSlot,
+        sockets: list[socket.socket],
+        ready: Callable[[], None],
+    ) -> None:
+        self._cfg = cfg
+        self._seg = seg
+        self._slot = slot
+        self._sockets = sockets
+        self._ready = ready
 
-async def _serve(
-    cfg: Config,
-    seg: Segment,
-    slot: ProcessSlot,
-    sockets: list[socket.socket],
-    ready: Callable[[], None],
-) -> int:
-    loop = asyncio.get_running_loop()
-    writer = Writer(cfg.store)
-    try:
-        writer.start(loop)
-        password = read_secret(cfg.fleet.password_env, cfg.fleet.password_file)
-        store = RedisStore.from_config(cfg.fleet, password) if cfg.fleet_kinds else None
-        fleet = Fleet(cfg, seg, slot, store)
-        path = RequestPath(cfg, fleet, writer, slot.counters)
-    except (StoreError, MissingSecret) as e:
+    def run(self) -> int:
+        return uvloop.run(self._serve())
+
+    async def _serve(self) -> int:
+        cfg = self._cfg
+        loop = asyncio.get_running_loop()
+        writer = Writer(cfg.store)
+        try:
+            writer.start(loop)
+            password = read_secret(cfg.fleet.password_env, cfg.fleet.password_file)
+            store = RedisStore.from_config(cfg.fleet, password) if cfg.fleet_kinds else None
+            fleet = Fleet(cfg, self._seg, self._slot, store)
+            path = RequestPath(cfg, fleet, writer, self._slot.counters)
+        except (StoreError, MissingSecret) as e:
+            await writer.close()
+            raise BootError(str(e)) from None
+        server = HttpServer(path, limits(cfg))
+        await server.start(self._sockets)
+
+        stop = asyncio.Event()
+        graceful = True
+
+        def fast() -> None:
+            nonlocal graceful
+            graceful = False
+            stop.set()
+
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        loop.add_signal_handler(signal.SIGINT, fast)
+        loop.add_signal_handler(signal.SIGQUIT, fast)
+        beat = loop.create_task(self._heartbeat(os.getppid(), stop))
+        settle_heap()
+        self._ready()
+        await stop.wait()
+        beat.cancel()
+        if graceful:
+            if not await server.drain(cfg.server.graceful_timeout_s):
+                log.warning("graceful timeout: %d connections still busy", len(server.connections))
+        else:
+            server.stop_accepting()
         await writer.close()
-        raise BootError(str(e)) from None
-    server = HttpServer(path, limits(cfg))
-    await server.start(list(sockets))
+        await fleet.close()
+        return 0
 
-    stop = asyncio.Event()
-    graceful = True
-
-    def fast() -> None:
-        nonlocal graceful
-        graceful = False
-        stop.set()
-
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, fast)
-    loop.add_signal_handler(signal.SIGQUIT, fast)
-    beat = loop.create_task(_heartbeat(slot, os.getppid(), stop))
-    settle_heap()
-    ready()
-    await stop.wait()
-    beat.cancel()
-    if graceful:
-        if not await server.drain(cfg.server.graceful_timeout_s):
-            log.warning("graceful timeout: %d connections still busy", len(server.connections))
-    else:
-        server.stop_accepting()
-    await writer.close()
-    await fleet.close()
-    return 0
-
-
-async def _heartbeat(slot: ProcessSlot, parent: int, stop: asyncio.Event) -> None:
-    while True:
-        slot.heartbeat(monotonic_ms())
-        if os.getppid() != parent:
-            stop.set()  # orphaned (PDEATHSIG normally kills us first)
-        await asyncio.sleep(HEARTBEAT_S)
+    async def _heartbeat(self, parent: int, stop: asyncio.Event) -> None:
+        while True:
+            self._slot.heartbeat(monotonic_ms())
+            if os.getppid() != parent:
+                stop.set()  # orphaned (PDEATHSIG normally kills us first)
+            await asyncio.sleep(HEARTBEAT_S)

@@ -130,6 +130,19 @@ class Service:
         self.notifications.append(msg)
         return field in msg.split("\n")
 
+    def received_fields(self) -> set[str]:
+        """Every field of every message sent so far, reading what is still queued."""
+        assert self.notify is not None
+        self.notify.setblocking(False)
+        try:
+            while True:
+                self.notifications.append(self.notify.recv(4096).decode())
+        except BlockingIOError:
+            pass
+        finally:
+            self.notify.settimeout(0.2)
+        return {f for m in self.notifications for f in m.split("\n")}
+
     @property
     def pid(self) -> int:
         assert self.proc is not None

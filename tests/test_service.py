@@ -145,6 +145,13 @@ def test_malformed_requests_get_400_and_others_are_unaffected(
     keep.close()
 
 
+def test_headers_over_the_limit_get_431(svc: Service) -> None:
+    flood = b"".join(b"x-pad-%d: %s\r\n" % (i, b"v" * 1000) for i in range(80))  # ~80 KiB
+    out = raw(svc, b"POST /hooks/github HTTP/1.1\r\n" + flood + b"\r\n")
+    assert out.startswith(b"HTTP/1.1 431 ") and b'{"error":"headers_too_large"}' in out
+    assert readers.count(svc.store_path) == 0
+
+
 def test_a_truncated_body_stores_nothing(svc: Service) -> None:
     with socket.create_connection(("127.0.0.1", svc.port), timeout=5) as s:
         s.sendall(b"POST /hooks/github HTTP/1.1\r\ncontent-length: 100\r\n\r\n" + b"x" * 10)

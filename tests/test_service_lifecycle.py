@@ -70,7 +70,7 @@ def test_ready_and_watchdog_reach_the_notify_socket(make: list[Service], tmp_pat
     assert "STATUS=serving on 127.0.0.1:" in ready and "2 workers" in ready
     svc.wait_for("WATCHDOG=1", timeout=5)
     svc.stop()
-    assert any("STOPPING=1" in m for m in svc.notifications) or svc.receive("STOPPING=1")
+    assert "STOPPING=1" in svc.received_fields()
 
 
 def test_a_killed_worker_is_replaced_and_no_accepted_hook_is_lost(
@@ -325,3 +325,15 @@ def test_new_connections_are_spread_over_the_workers(make: list[Service], tmp_pa
     # sustained load -- bench_http -- and did not reproduce in a burst this small.)
     assert len(per_worker) == 2 and sum(per_worker) == 64
     assert per_worker[0] >= 12, per_worker
+
+
+def test_an_aborted_worker_logs_where_it_was_and_is_replaced(
+    make: list[Service], tmp_path: Path
+) -> None:
+    svc = service(make, tmp_path).start()
+    victim = svc.pids("worker")[0]
+    os.kill(victim, signal.SIGABRT)  # what the supervisor sends a silent worker
+    wait_until(lambda: victim not in svc.pids("worker"), what="the aborted worker gone")
+    wait_until(lambda: len(svc.pids("worker")) == 2, what="a replacement")
+    log = svc.log()
+    assert "Fatal Python error: Aborted" in log and "File " in log  # faulthandler's traceback

@@ -23,7 +23,7 @@ import random
 from dataclasses import dataclass
 
 from ankusa_shm.clock import Clock, monotonic_ns
-from ankusa_shm.config import Config, Source, SourceDedupe
+from ankusa_shm.config import Config, Source
 from ankusa_shm.fleet import redis_store
 from ankusa_shm.fleet.redis_client import RedisError
 from ankusa_shm.fleet.redis_store import RedisStore
@@ -127,11 +127,11 @@ class Fleet:
         now_ms = now // 1_000_000
         claim = None
         if event_key is not None:
-            ttl_s = (source.dedupe or SourceDedupe()).ttl_seconds
             key = self._store.dedupe_key(source.tenant, source.id, event_key)
             # Unique, not secret: ``random`` is reseeded in every forked child, and a
             # system call per hook would hand the GIL to the store's writer thread.
-            claim = Claim(key, random.getrandbits(128).to_bytes(16), ttl_s * 1000)
+            token = random.getrandbits(128).to_bytes(16)
+            claim = Claim(key, token, source.dedupe_ttl_s * 1000)
         permit = self._breaker.allow(now_ms)
         if permit.call:
             answer = await self._ask_store(permit, source.tenant, limit, claim, now)

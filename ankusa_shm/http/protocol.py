@@ -147,11 +147,10 @@ class Connection(asyncio.Protocol):
             self._reject(400, "bad_request")
 
     def eof_received(self) -> bool | None:
-        if self._lingering and self._transport is not None:
-            self._transport.close()
         # A half-closed client may still read our answers to what it sent.
         self._closing = True
-        if self._task is None and not self._pipeline and self._transport is not None:
+        idle = self._task is None and not self._pipeline
+        if (self._lingering or idle) and self._transport is not None:
             self._transport.close()
         return True
 

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ankusa_shm.config import Config, Source, SourceDedupe
+from ankusa_shm.config import Config, Source
 from ankusa_shm.fleet.admission import Admit, DedupePending, Duplicate, Fleet, RateLimited
 from ankusa_shm.hooks import (
     AlreadyStored,
@@ -74,17 +74,11 @@ class Route:
     source: Source
     verifier: Verifier | None
     key_finder: KeyFinder | None
-    dedupe_ttl_s: int
 
 
 def routes(cfg: Config) -> dict[bytes, Route]:
     """Every source's route, secrets read now (``MissingSecret`` is a boot failure)."""
-    return {
-        s.id.encode(): Route(
-            s, verifier_for(s), key_finder_for(s), (s.dedupe or SourceDedupe()).ttl_seconds
-        )
-        for s in cfg.sources
-    }
+    return {s.id.encode(): Route(s, verifier_for(s), key_finder_for(s)) for s in cfg.sources}
 
 
 class RequestPath:
@@ -131,7 +125,7 @@ class RequestPath:
             tenant=source.tenant,
             source=source.id,
             event_key=key,
-            dedupe_ttl_s=route.dedupe_ttl_s,
+            dedupe_ttl_s=source.dedupe_ttl_s,
             received_ms=wall_ms,
             headers=tuple(p for p in req.headers if p[0] not in _NOT_KEPT),
             body=req.body,

@@ -245,7 +245,7 @@ class Arbiter:
                 slot = procs.claim(seg.view, seg.layout, Role.DRAINER)
                 return drainer.main(cfg, seg, slot, ready)
             slot = procs.claim(seg.view, seg.layout, Role.WORKER)
-            return worker.main(cfg, seg, slot, mine, ready)
+            return worker.Worker(cfg, seg, slot, mine, ready).run()
 
         child.run(title, parent, body)
 
@@ -327,15 +327,11 @@ class Arbiter:
             extra = [c for c in old if c.lane in lanes or c.lane >= self._target]
             victim = (extra or old)[0] if old else max(current, key=lambda c: (c.lane, c.started))
             self._retire(victim)
-            if victim.lane >= self._target:
-                # Its lane goes now, not when it exits: the kernel would go on queueing
-                # connections on a lane nobody accepts from any more.
-                assert self._listeners is not None
-                self._listeners.trim(self._target)
+        # A lane above the worker count goes as soon as no serving worker is on it -- when
+        # its worker is retired, not when it exits: the kernel would go on queueing
+        # connections on a lane nobody accepts from any more.
         assert self._listeners is not None
-        if not any(
-            c.kind is Kind.WORKER and c.lane >= self._target for c in self._children.values()
-        ):
+        if not any(c.lane >= self._target for c in workers if not c.retiring):
             self._listeners.trim(self._target)
 
         drainers = [c for c in self._children.values() if c.kind is Kind.DRAINER]
@@ -367,22 +363,14 @@ class Arbiter:
                     _kill(c.pid, signal.SIGKILL)
                 continue
             beat = beats.get(c.pid)
-            if not c.ready and now - c.started > limit_ms / 1000:
-                log.error(
-                    "%s %d not serving after %.0f s; aborting it",
-                    c.kind.value,
-                    c.pid,
-                    now - c.started,
-                )
-                c.abort_sent = now
-                _kill(c.pid, signal.SIGABRT)
-            elif c.ready and beat is not None and now_ms - beat > limit_ms:
-                log.error(
-                    "%s %d silent for %.1f s; aborting it",
-                    c.kind.value,
-                    c.pid,
-                    (now_ms - beat) / 1000,
-                )
+            if not c.ready:
+                how, quiet_ms = "not serving after", (now - c.started) * 1000
+            elif beat is not None:
+                how, quiet_ms = "silent for", now_ms - beat
+            else:
+                continue
+            if quiet_ms > limit_ms:
+                log.error("%s %d %s %.1f s; aborting it", c.kind.value, c.pid, how, quiet_ms / 1000)
                 c.abort_sent = now
                 _kill(c.pid, signal.SIGABRT)
 
@@ -476,9 +464,7 @@ class Arbiter:
         workers_left = any(c.kind is Kind.WORKER for c in self._children.values())
         if stop.graceful and not workers_left and not stop.drainer_told:
             stop.drainer_told = True  # the queue is complete now: let it empty it
-            for c in self._children.values():
-                c.retiring = True
-                _kill(c.pid, signal.SIGTERM)
+            self._signal_all(signal.SIGTERM)
         return False
 
 
