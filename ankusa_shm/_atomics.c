@@ -8,10 +8,12 @@
  * store, fetch-add and compare-and-swap on aligned signed 64-bit words at a
  * byte offset. Everything else is Python.
  *
- * Two hot routines live here too, because benchmarks showed they pay: the node rate
+ * Three hot routines live here too, because benchmarks showed they pay: the node rate
  * limiter's GCRA take (slot lookup + compare-and-swap of the TAT word), which costs several
- * hundred nanoseconds as Python and well under one hundred here (bench_shm.py); and the
- * breaker's window sum, read on every failed store call (bench_fleet.py's stall). Their
+ * hundred nanoseconds as Python and well under one hundred here (bench_shm.py); the
+ * breaker's window sum, read on every failed store call (bench_fleet.py's stall); and a
+ * histogram observation (bucket search + two fetch-adds), made twice a request
+ * (bench_admin.py's metrics on/off). Their
  * formats are layout.py's; GCRA_FORMAT and BREAKER_FORMAT export the constants below so
  * gcra.py and breaker.py can refuse to run against a layout that disagrees.
  *
@@ -279,6 +281,52 @@ av_breaker_window(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
     return Py_BuildValue("(LL)", (long long)calls, (long long)failures);
 }
 
+/* -- histograms (see shm/layout.py and shm/histograms.py) ------------------------------ */
+
+static PyObject *
+av_observe(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    int64_t base, value;
+    if (!nargs_ok("observe", nargs, 3))
+        return NULL;
+    if (int64_arg(args[0], &base) < 0 || int64_arg(args[2], &value) < 0)
+        return NULL;
+    PyObject *bounds = args[1];
+    if (!PyTuple_Check(bounds)) {
+        PyErr_SetString(PyExc_TypeError, "observe: bounds must be a tuple of ints");
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(bounds);
+    if (!self->held) {
+        PyErr_SetString(PyExc_ValueError, "AtomicView is released");
+        return NULL;
+    }
+    if (!self->writable) {
+        PyErr_SetString(PyExc_TypeError, "AtomicView of a read-only buffer");
+        return NULL;
+    }
+    /* n + 1 buckets (the last one +Inf), then the sum */
+    if (base < 0 || base % 8 || n + 2 > (self->view.len - base) / 8) {
+        PyErr_SetString(PyExc_ValueError, "observe: histogram outside the buffer");
+        return NULL;
+    }
+    Py_ssize_t lo = 0, hi = n; /* the first bound >= value: bisect_left */
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        long long b = PyLong_AsLongLong(PyTuple_GET_ITEM(bounds, mid));
+        if (b == -1 && PyErr_Occurred())
+            return NULL;
+        if (b < value)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    int64_t *w = (int64_t *)((char *)self->view.buf + base);
+    __atomic_fetch_add(&w[lo], 1, __ATOMIC_SEQ_CST);
+    __atomic_fetch_add(&w[n + 1], value, __ATOMIC_SEQ_CST);
+    Py_RETURN_NONE;
+}
+
 static PyObject *
 av_release(AtomicView *self, PyObject *Py_UNUSED(ignored))
 {
@@ -346,6 +394,9 @@ static PyMethodDef av_methods[] = {
      "0 admitted, >0 microseconds over the limit (nothing written), -1 no slot."},
     {"breaker_window", (PyCFunction)(void (*)(void))av_breaker_window, METH_FASTCALL,
      "breaker_window(buckets, n, epoch) -> (calls, failures) of the buckets in the window."},
+    {"observe", (PyCFunction)(void (*)(void))av_observe, METH_FASTCALL,
+     "observe(offset, bounds, value): add 1 to the first bucket whose bound is >= value "
+     "(after the last: +Inf) and value to the sum word after the buckets."},
     {"release", (PyCFunction)av_release, METH_NOARGS,
      "release(): drop the buffer export so the mapping can be closed."},
     {NULL, NULL, 0, NULL},

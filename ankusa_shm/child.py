@@ -9,6 +9,7 @@ happened (``BOOT_ERROR``: it could not start, and starting it again would not he
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import faulthandler
 import gc
@@ -22,9 +23,13 @@ from typing import NoReturn
 
 import setproctitle
 
+from ankusa_shm.clock import monotonic_ms
+from ankusa_shm.shm.procs import ProcessSlot
+
 log = logging.getLogger("ankusa_shm.child")
 
 BOOT_ERROR = 3  # as gunicorn's workers: the supervisor stops instead of respawning
+HEARTBEAT_S = 1.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -53,6 +58,44 @@ def settle_heap() -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+class Life:
+    """A serving child's event-loop side: SIGTERM asks it to stop gracefully, SIGINT and
+    SIGQUIT to stop now, and its heartbeat goes into its slot every ``HEARTBEAT_S`` from
+    the loop itself -- so a fresh heartbeat proves the loop turns. A child whose parent
+    is gone stops too (PR_SET_PDEATHSIG normally kills it first)."""
+
+    def __init__(self, slot: ProcessSlot) -> None:
+        self._slot = slot
+        self._stop = asyncio.Event()
+        self.graceful = True
+        self._beat: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self._stop.set)
+        loop.add_signal_handler(signal.SIGINT, self._now)
+        loop.add_signal_handler(signal.SIGQUIT, self._now)
+        self._beat = loop.create_task(self._heartbeat(os.getppid()))
+
+    async def stopped(self) -> bool:
+        """Wait for a stop; whether it is to be graceful."""
+        await self._stop.wait()
+        if self._beat is not None:
+            self._beat.cancel()
+        return self.graceful
+
+    def _now(self) -> None:
+        self.graceful = False
+        self._stop.set()
+
+    async def _heartbeat(self, parent: int) -> None:
+        while True:
+            self._slot.heartbeat(monotonic_ms())
+            if os.getppid() != parent:
+                self._stop.set()
+            await asyncio.sleep(HEARTBEAT_S)
 
 
 def run(title: str, parent: int, body: Callable[[], int]) -> NoReturn:

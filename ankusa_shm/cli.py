@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from ankusa_shm import config, inspect
+from ankusa_shm import config, hooks_cli, inspect
 from ankusa_shm.shm.segment import DEFAULT_NAME, SegmentError
 
 
@@ -36,6 +36,7 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--list", action="store_true", help="list every figure and what it means")
     d = sub.add_parser("drainer", help="run the settle drainer alone (the supervisor forks it)")
     d.add_argument("--config", help="TOML file (default: embedded defaults)")
+    hooks_cli.add_parser(sub)
     return p
 
 
@@ -47,6 +48,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _check_config(args.file, args.list)
     if args.command == "drainer":
         return _drainer(args.config)
+    if args.command == "hooks":
+        return hooks_cli.run(args)
     if args.list:
         return inspect.list_figures()
     return inspect.run(args.name, args.json, args.watch)

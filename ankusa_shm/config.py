@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import ipaddress
 import re
 import tomllib
 import types
@@ -30,6 +31,14 @@ Check = Callable[[Any], str | None]  # returns what is wrong, or None
 
 # ASCII, so characters are bytes; \Z, not $, which would let a trailing newline through.
 _NAME = re.compile(rf"^[A-Za-z0-9_.-]{{1,{MAX_NAME}}}\Z")
+_DIGITS = re.compile(r"^[0-9]{1,5}\Z")  # str.isdigit() takes '²', which int() refuses
+_PRINTABLE_KEY = re.compile(r"^[\x20-\x7e]{1,200}\Z")
+
+
+def _shown(key: str) -> str:
+    """A key from the file as an error message names it: as written when it is plain,
+    quoted when it holds what could break the one-line message (a newline, say)."""
+    return key if _PRINTABLE_KEY.match(key) else repr(key)
 
 
 class ConfigError(Exception):
@@ -64,7 +73,7 @@ def _name(v: str) -> str | None:
 
 def _address(v: str) -> str | None:
     host, sep, port = v.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not _DIGITS.match(port) or not 0 < int(port) < 65536:
         return f"{v!r} is not host:port"
     return None
 
@@ -73,6 +82,17 @@ def _addresses(v: list[str]) -> str | None:
     if not v:
         return "needs at least one address"
     return next((e for e in map(_address, v) if e), None)
+
+
+def is_loopback(address: str) -> bool:
+    """Whether ``host:port`` binds only this host: 127.0.0.0/8, ::1 or localhost."""
+    host = address.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _redis_url(v: str) -> str | None:
@@ -91,7 +111,14 @@ class Server:
     listen: list[str] = setting(["127.0.0.1:8080"], "Addresses for hooks.", _addresses)
     workers: int = setting(0, "Request workers; 0 = one per CPU.", between(0, 256))
     admin_listen: str = setting(
-        "127.0.0.1:9180", "Address of /metrics /healthz /readyz (loopback).", _address
+        "127.0.0.1:9180",
+        "Address of the admin API (/metrics /healthz /readyz /v1/...); '' for none.",
+        lambda v: None if v == "" else _address(v),
+    )
+    admin_token_env: str = setting("", "Environment variable holding the admin bearer token.")
+    admin_token_file: str = setting("", "File holding the admin bearer token.")
+    request_metrics: bool = setting(
+        True, "Count requests by source and status and keep latency histograms."
     )
     max_body_bytes: int = setting(1_048_576, "Largest hook body accepted.", at_least(1))
     max_header_bytes: int = setting(
@@ -116,6 +143,25 @@ class Server:
     segment: str = setting("ankusa-shm", "Name of the shared-memory segment.", _name)
 
 
+# store.retention: a whole number and a unit, e.g. '7d'; [0-9], since \d takes any digit.
+_DURATION = re.compile(r"^([0-9]{1,9})([smhd])\Z")
+_UNIT_MS = {"s": 1_000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+_LONGEST_MS = 36_500 * 86_400_000
+
+
+def _duration_ms(v: str) -> int | None:
+    """The milliseconds ``v`` stands for; None if it is not a duration we take."""
+    m = _DURATION.match(v)
+    ms = int(m[1]) * _UNIT_MS[m[2]] if m else 0
+    return ms if 0 < ms <= _LONGEST_MS else None
+
+
+def _retention(v: str) -> str | None:
+    if v == "" or _duration_ms(v) is not None:
+        return None
+    return f"must be '' or a duration from 1s to 36500d like '7d', '12h', '30m', not {v!r}"
+
+
 @dataclass(frozen=True)
 class Store:
     path: str = setting(
@@ -134,6 +180,13 @@ class Store:
     sweep_interval_s: int = setting(
         60, "Pause between sweeps of expired dedupe index rows.", between(1, 86_400)
     )
+    retention: str = setting(
+        "",
+        "Delete hooks older than this (e.g. '7d', '12h', '30m') once every named consumer"
+        " acked them; '' keeps them.",
+        _retention,
+    )
+    retention_interval_s: int = setting(60, "Pause between retention runs.", between(1, 86_400))
 
     @property
     def close_wait_s(self) -> float:
@@ -141,6 +194,16 @@ class Store:
         within one ``lock_timeout_ms`` (its transaction began, or it was given up on); a
         second more covers the last batch's write and fsync."""
         return self.lock_timeout_ms / 1000 + 1.0
+
+    @property
+    def retention_ms(self) -> int | None:
+        """``retention`` in milliseconds; None when hooks are kept."""
+        if not self.retention:
+            return None
+        ms = _duration_ms(self.retention)
+        if ms is None:
+            raise ValueError(f"store.retention: {_retention(self.retention)}")
+        return ms
 
 
 @dataclass(frozen=True)
@@ -399,7 +462,7 @@ def _build(cls: type[Any], raw: Any, origin: str, path: str) -> Any:
     known = {f.name: f for f in dataclasses.fields(cls) if f.name != "origin"}
     unknown = sorted(set(raw) - set(known))
     if unknown:
-        where = f"{path}.{unknown[0]}" if path else unknown[0]
+        where = f"{path}.{_shown(unknown[0])}" if path else _shown(unknown[0])
         raise ConfigError(f"{origin}: {where}: unknown key")
     values: dict[str, Any] = {}
     for name, f in known.items():
@@ -447,7 +510,7 @@ def _convert(tp: Any, v: Any, origin: str, key: str) -> Any:
         _, item = typing.get_args(tp)
         for k in v:
             if _name(k):
-                raise ConfigError(f"{origin}: {key}.{k}: {_name(k)}")
+                raise ConfigError(f"{origin}: {key}.{_shown(k)}: {_name(k)}")
         return {k: _convert(item, x, origin, f"{key}.{k}") for k, x in v.items()}
     if dataclasses.is_dataclass(tp):
         return _build(typing.cast(type[Any], tp), v, origin, key)
@@ -493,6 +556,20 @@ def _cross_checks(cfg: Config, origin: str) -> None:
             raise ConfigError(
                 f"{origin}: sources[{i}].dedupe: give exactly one of preset, header, json_path"
             )
+    s = cfg.server
+    if s.admin_token_env and s.admin_token_file:
+        raise ConfigError(
+            f"{origin}: server: give at most one of admin_token_env, admin_token_file"
+        )
+    if (
+        s.admin_listen
+        and not is_loopback(s.admin_listen)
+        and not (s.admin_token_env or s.admin_token_file)
+    ):
+        raise ConfigError(
+            f"{origin}: server.admin_listen: {s.admin_listen} is not a loopback address; "
+            "give server.admin_token_env or server.admin_token_file to serve it there"
+        )
     f = cfg.fleet
     if f.password_env and f.password_file:
         raise ConfigError(f"{origin}: fleet: give at most one of password_env, password_file")

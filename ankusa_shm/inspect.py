@@ -9,12 +9,13 @@ A missing, foreign or corrupt segment is one line on stderr and exit status 2.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
-from ankusa_shm.shm import snapshot
+from ankusa_shm.shm import histograms, snapshot
 from ankusa_shm.shm.segment import Segment, SegmentError
 
 JSON_VERSION = 1
@@ -88,7 +89,7 @@ def to_json(s: snapshot.Snapshot) -> str:
         "processes": [
             {**vars(p), "heartbeat_age_ms": s.taken_ms - p.heartbeat_ms} for p in s.processes
         ],
-        "figures": {f.label: f.value for f in snapshot.figures(s)},
+        "figures": {f.label: _json_value(f) for f in snapshot.figures(s)},
         "config": s.config,
     }
     return json.dumps(doc, sort_keys=True)
@@ -125,10 +126,35 @@ def render(s: snapshot.Snapshot, prev: snapshot.Snapshot | None = None) -> str:
     before = {f.label: f.value for f in snapshot.figures(prev)} if prev else {}
     for f in snapshot.figures(s):
         row = f"{f.label:<52} {f.value:>14g}"
-        if prev and f.kind == "counter" and dt > 0:
+        if prev and f.kind != "gauge" and dt > 0:
             row += f"  {(f.value - before.get(f.label, 0)) / dt:>10.1f}"
+        if f.kind == "histogram":
+            row += "  " + "  ".join(f"{k} {_amount(f, v)}" for k, v in _summary(f).items())
         lines.append(row)
     return "\n".join(lines) + "\n"
+
+
+QUANTILES = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
+
+
+def _summary(f: snapshot.Figure) -> dict[str, float | None]:
+    """A histogram's mean and quantiles, in its unit (seconds, or hooks)."""
+    out: dict[str, float | None] = {"mean": f.sum / f.value if f.value else None}
+    out.update({k: histograms.quantile(f.buckets, q) for k, q in QUANTILES.items()})
+    return out
+
+
+def _amount(f: snapshot.Figure, v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v * 1000:.2f} ms" if f.family.endswith("_seconds") else f"{v:.1f}"
+
+
+def _json_value(f: snapshot.Figure) -> float | dict[str, Any]:
+    if f.kind != "histogram":
+        return f.value
+    buckets = [["+Inf" if math.isinf(le) else le, n] for le, n in f.buckets]
+    return {"count": f.value, "sum": f.sum, **_summary(f), "buckets": buckets}
 
 
 def _iso(ns: int) -> str:

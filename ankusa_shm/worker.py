@@ -11,39 +11,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import signal
 import socket
 from collections.abc import Callable
 
 import uvloop
 
-from ankusa_shm.child import BootError, settle_heap
-from ankusa_shm.clock import monotonic_ms
+from ankusa_shm import overrides
+from ankusa_shm.child import BootError, Life, settle_heap
 from ankusa_shm.config import Config
 from ankusa_shm.credentials import MissingSecret, read_secret
 from ankusa_shm.fleet.admission import Fleet
 from ankusa_shm.fleet.redis_store import RedisStore
+from ankusa_shm.http.observe import Observer
 from ankusa_shm.http.protocol import HttpServer, Limits
 from ankusa_shm.http.request_path import RequestPath
+from ankusa_shm.shm import requests
+from ankusa_shm.shm.commits import CommitWord
+from ankusa_shm.shm.histograms import HistogramRow
 from ankusa_shm.shm.procs import ProcessSlot
+from ankusa_shm.shm.requests import RequestRow
 from ankusa_shm.shm.segment import Segment
 from ankusa_shm.store.writer import StoreError, Writer
 
 log = logging.getLogger("ankusa_shm.worker")
-
-HEARTBEAT_S = 1.0
-
-
-def limits(cfg: Config) -> Limits:
-    s = cfg.server
-    return Limits(
-        max_header_bytes=s.max_header_bytes,
-        max_body_bytes=s.max_body_bytes,
-        header_timeout_s=s.header_timeout_s,
-        body_timeout_s=s.body_timeout_s,
-        keepalive_timeout_s=s.keepalive_timeout_s,
-    )
 
 
 class Worker:
@@ -66,50 +56,48 @@ class Worker:
     def run(self) -> int:
         return uvloop.run(self._serve())
 
+    def _observer(self) -> Observer:
+        seg, index = self._seg, self._slot.index
+        ids = [s.id for s in self._cfg.sources]
+        return Observer(
+            RequestRow(seg.view, seg.layout, index),
+            HistogramRow(seg.view, seg.layout, index),
+            requests.source_rows(seg.blob("sources"), ids),
+        )
+
     async def _serve(self) -> int:
-        cfg = self._cfg
+        cfg, seg = self._cfg, self._seg
         loop = asyncio.get_running_loop()
-        writer = Writer(cfg.store)
+        observer = self._observer() if cfg.server.request_metrics else None
+        commits = CommitWord(seg.view, seg.layout)
+
+        def on_commit(hooks: int) -> None:
+            commits.bump()
+            if observer is not None:
+                observer.batch(hooks)
+
+        writer = Writer(cfg.store, on_commit=on_commit)
         try:
             writer.start(loop)
             password = read_secret(cfg.fleet.password_env, cfg.fleet.password_file)
             store = RedisStore.from_config(cfg.fleet, password) if cfg.fleet_kinds else None
-            fleet = Fleet(cfg, self._seg, self._slot, store)
-            path = RequestPath(cfg, fleet, writer, self._slot.counters)
+            fleet = Fleet(cfg, seg, self._slot, store)
+            path = RequestPath(cfg, fleet, writer, self._slot.counters, observer)
         except (StoreError, MissingSecret) as e:
             await writer.close()
             raise BootError(str(e)) from None
-        server = HttpServer(path, limits(cfg))
+        fleet.set_overrides(overrides.read(seg.blob("overrides")))
+        follow = loop.create_task(overrides.follow(seg.blob("overrides"), fleet.set_overrides))
+        server = HttpServer(path, Limits.of(cfg.server), observer.answered if observer else None)
         await server.start(self._sockets)
 
-        stop = asyncio.Event()
-        graceful = True
-
-        def fast() -> None:
-            nonlocal graceful
-            graceful = False
-            stop.set()
-
-        loop.add_signal_handler(signal.SIGTERM, stop.set)
-        loop.add_signal_handler(signal.SIGINT, fast)
-        loop.add_signal_handler(signal.SIGQUIT, fast)
-        beat = loop.create_task(self._heartbeat(os.getppid(), stop))
+        life = Life(self._slot)
+        life.start()
         settle_heap()
         self._ready()
-        await stop.wait()
-        beat.cancel()
-        if graceful:
-            if not await server.drain(cfg.server.graceful_timeout_s):
-                log.warning("graceful timeout: %d connections still busy", len(server.connections))
-        else:
-            server.stop_accepting()
+        graceful = await life.stopped()
+        follow.cancel()
+        await server.stop(graceful, cfg.server.graceful_timeout_s)
         await writer.close()
         await fleet.close()
         return 0
-
-    async def _heartbeat(self, parent: int, stop: asyncio.Event) -> None:
-        while True:
-            self._slot.heartbeat(monotonic_ms())
-            if os.getppid() != parent:
-                stop.set()  # orphaned (PDEATHSIG normally kills us first)
-            await asyncio.sleep(HEARTBEAT_S)

@@ -304,6 +304,7 @@ class Target:
     store: Path | None = None
     count: Callable[[Path], int] | None = None
     segment: str | None = None
+    admin_port: int | None = None
 
 
 def _sqlite_count(path: Path) -> int:
@@ -319,18 +320,29 @@ def _toml(value: Any) -> str:
     return json.dumps(value)  # strings and numbers are spelled alike in TOML and JSON
 
 
-def ankusa_target(name: str, port: int, work: Path, redis_url: str) -> Target:
+def ankusa_target(
+    name: str,
+    port: int,
+    work: Path,
+    redis_url: str,
+    durability: str = "fsync",
+    server: dict[str, Any] | None = None,
+) -> Target:
+    """``name`` fleet: both scopes fleet; any other name: node scope. ``server`` adds to
+    or overrides the ``[server]`` settings."""
     scope = "fleet" if name == "fleet" else "node"
     seg = f"bench-http-{name}-{os.getpid()}"
     store = work / f"{name}.db"
+    admin_port = free_port()
     sections: dict[str, dict[str, Any]] = {
         "server": {
             "listen": [f"127.0.0.1:{port}"],
             "workers": WORKERS,
-            "admin_listen": f"127.0.0.1:{free_port()}",
+            "admin_listen": f"127.0.0.1:{admin_port}",
             "segment": seg,
+            **(server or {}),
         },
-        "store": {"path": str(store), "durability": "fsync"},
+        "store": {"path": str(store), "durability": durability},
         "rate_limits": {"scope": scope, "default": TENANT_LIMIT},
         "dedupe": {"scope": scope},
         "fleet": {"redis_url": redis_url},
@@ -352,7 +364,7 @@ def ankusa_target(name: str, port: int, work: Path, redis_url: str) -> Target:
     exe = Path(sys.executable).with_name("ankusa-shm")
     return Target(
         name, [str(exe), "serve", "--config", str(cfg)], store=store, count=readers.count,
-        segment=seg,
+        segment=seg, admin_port=admin_port,
     )  # fmt: skip
 
 
@@ -466,8 +478,20 @@ class Result:
         return 0 if self.stored is None else max(0, self.run.accepted - self.stored)
 
 
+During = Callable[[], Callable[[], dict[str, float]]]
+"""Started with the measured run; the function it returns is called when the run ends and
+gives the figures of what ran beside the load."""
+
+
 def run_target(
-    t: Target, port: int, work: Path, lua: Path, pool: Path, redis: RedisServer | None
+    t: Target,
+    port: int,
+    work: Path,
+    lua: Path,
+    pool: Path,
+    redis: RedisServer | None,
+    during: During | None = None,
+    seconds: int = DURATION_S,
 ) -> Result:
     log = work / f"{t.name}.log"
     env = {**os.environ, SECRET_ENV: SECRET, **t.env}
@@ -487,22 +511,27 @@ def run_target(
         cpu0: dict[int, float] = {}
         rcpu0: dict[int, float] = {}
         machine0 = [0, 0]
+        beside: list[Callable[[], dict[str, float]]] = []
 
         def started() -> None:
             cpu0.update(cpu_s(pids))
             rcpu0.update(cpu_s(redis_pids))
             machine0[:] = machine_ticks()
+            if during is not None:
+                beside.append(during())
 
-        run = wrk(url, lua, pool, 0, warm_first, DURATION_S, started)
+        run = wrk(url, lua, pool, 0, warm_first, seconds, started)
+        extra = beside[0]() if beside else {}
         cpu1, rcpu1 = cpu_s(pids), cpu_s(redis_pids)
         machine1 = machine_ticks()
         busy = (machine1[0] - machine0[0]) / max(1, machine1[1] - machine0[1])
         stored = settled(count) - before if count else None
         result = Result(t.name, run, stored, cpu_delta(cpu0, cpu1), cpu_delta(rcpu0, rcpu1), busy)
+        result.extra.update(extra)
         if t.name == "fleet" and redis is not None and count is not None:
             rows = count()
             keys = settled(lambda: committed_keys(redis))
-            result.extra = {"stored_total": rows, "redis_committed": keys}
+            result.extra.update({"stored_total": rows, "redis_committed": keys})
         return result
     finally:
         stop(proc)
@@ -539,7 +568,7 @@ def line(r: Result) -> str:
         parts.append(f"LOST {r.lost} accepted hooks")
     if r.stored is not None and r.stored > run.accepted + CONNECTIONS:
         parts.append(f"{r.stored - run.accepted} rows more than 201s: more than were in flight")
-    if r.extra:
+    if "redis_committed" in r.extra:
         parts.append(
             f"redis committed {r.extra['redis_committed']:,} of {r.extra['stored_total']:,}"
         )
@@ -548,6 +577,19 @@ def line(r: Result) -> str:
 
 def verdict(ok: bool) -> str:
     return "met" if ok else "NOT met"
+
+
+def prepare(work: Path) -> tuple[Path, Path]:
+    """The signed hooks and the wrk script that sends them, written under ``work``."""
+    t0 = time.perf_counter()
+    pool = work / "pool.tsv"
+    write_pool(pool, POOL)
+    lua = work / "hooks.lua"
+    literals = {"prefix": lua_string(BODY_PREFIX), "suffix": lua_string(BODY_SUFFIX)}
+    lua.write_text(LUA % {**literals, "length": BODY_BYTES})
+    elapsed = time.perf_counter() - t0
+    print(f"pool: {POOL:,} signed hooks, bodies of {BODY_BYTES} bytes, in {elapsed:.1f} s")
+    return pool, lua
 
 
 def main() -> int:
@@ -573,14 +615,7 @@ def main() -> int:
     results: dict[str, Result] = {}
     failed: list[str] = []
     try:
-        t0 = time.perf_counter()
-        pool = work / "pool.tsv"
-        write_pool(pool, POOL)
-        lua = work / "hooks.lua"
-        literals = {"prefix": lua_string(BODY_PREFIX), "suffix": lua_string(BODY_SUFFIX)}
-        lua.write_text(LUA % {**literals, "length": BODY_BYTES})
-        elapsed = time.perf_counter() - t0
-        print(f"pool: {POOL:,} signed hooks, bodies of {BODY_BYTES} bytes, in {elapsed:.1f} s")
+        pool, lua = prepare(work)
         if {"fleet", "peer"} & set(only):
             redis = RedisServer()
         for name in only:

@@ -227,3 +227,13 @@ def zombie(work: Callable[[], object] | None = None) -> Iterator[int]:
 def _state_of(pid: int) -> str:
     with open(f"/proc/{pid}/stat", "rb") as f:
         return f.read().rpartition(b")")[2].split()[0].decode()
+
+
+def claimed_row(seg: Any, slot: int) -> Any:
+    """Slot ``slot``'s counter row, with the slot marked as once claimed -- a reader sums
+    only the rows of slots some process has held -- without claiming it for this one."""
+    from ankusa_shm.shm import layout as L
+    from ankusa_shm.shm.counters import CounterRow
+
+    seg.view.add(seg.layout.offset("processes") + slot * L.PROCESS_SLOT_BYTES + L.PS_CLAIMS, 1)
+    return CounterRow(seg.view, seg.layout, slot)

@@ -58,7 +58,13 @@ class Service:
         self.store_path = tmp / "hooks.db"
         self.config_path = tmp / "config.toml"
         self.log_path = tmp / "service.log"
-        srv = {"listen": [f"127.0.0.1:{self.port}"], "workers": 2, "segment": self.segment}
+        self.admin_port = free_port()
+        srv = {
+            "listen": [f"127.0.0.1:{self.port}"],
+            "workers": 2,
+            "segment": self.segment,
+            "admin_listen": f"127.0.0.1:{self.admin_port}",
+        }
         srv.update(server or {})
         self.write_config(rest, srv, {"path": str(self.store_path), **(store or {})})
         self.env = {**os.environ, **(env or {})}
@@ -188,6 +194,23 @@ class Service:
 
     def connection(self, timeout: float = 10.0) -> http.client.HTTPConnection:
         return http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+
+    def admin(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float = 10.0,
+    ) -> tuple[int, dict[str, str], bytes]:
+        """One request to the admin listener: (status, headers, raw body)."""
+        c = http.client.HTTPConnection("127.0.0.1", self.admin_port, timeout=timeout)
+        try:
+            c.request(method, path, body=body, headers=headers or {})
+            r = c.getresponse()
+            return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+        finally:
+            c.close()
 
     def post(
         self,

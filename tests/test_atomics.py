@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import bisect
 import mmap
+import random
 from collections.abc import Iterator
 from multiprocessing.synchronize import Barrier
 
@@ -121,6 +123,29 @@ def test_breaker_window_sums_only_what_lies_in_the_window(page: mmap.mmap) -> No
     v.release()
     with pytest.raises(ValueError):
         v.breaker_window(64, 4, 0)
+
+
+def test_observe_is_bisect_left_plus_a_sum(page: mmap.mmap) -> None:
+    v = AtomicView(page)
+    bounds = (1, 2, 4, 8, 16)
+    rng = random.Random(7)
+    values = [rng.randrange(-3, 40) for _ in range(2_000)] + [1, 2, 16, 17]
+    for x in values:
+        v.observe(64, bounds, x)
+    want = [0] * (len(bounds) + 1)
+    for x in values:
+        want[bisect.bisect_left(bounds, x)] += 1
+    assert [v.load(64 + 8 * i) for i in range(len(bounds) + 1)] == want
+    assert v.load(64 + 8 * (len(bounds) + 1)) == sum(values)  # the sum word after the buckets
+    assert v.load(56) == 0 and v.load(64 + 8 * (len(bounds) + 2)) == 0  # nothing else
+    with pytest.raises(ValueError):
+        v.observe(4096 - 8 * (len(bounds) + 1), bounds, 1)  # the sum would be past the end
+    with pytest.raises(ValueError):
+        v.observe(4, bounds, 1)
+    with pytest.raises(TypeError):
+        v.observe(64, [1, 2], 1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        AtomicView(bytes(4096)).observe(64, bounds, 1)
 
 
 def test_read_only_buffer_refuses_writes() -> None:

@@ -11,7 +11,7 @@ import time
 from multiprocessing.synchronize import Barrier
 
 import pytest
-from proc_helpers import CTX, dead_pid, live_pid, run_children, zombie
+from proc_helpers import CTX, claimed_row, dead_pid, live_pid, run_children, zombie
 
 from ankusa_shm.clock import monotonic_ms
 from ankusa_shm.shm import breaker, counters, procs
@@ -31,7 +31,7 @@ TRANSITIONS = (Counter.BREAKER_TO_OPEN, Counter.BREAKER_TO_PROBING, Counter.BREA
 
 
 def _breaker(seg: Segment, slot: int = 0) -> tuple[Breaker, CounterRow]:
-    row = CounterRow(seg.view, seg.layout, slot)
+    row = claimed_row(seg, slot)
     return Breaker(seg.view, seg.layout, POLICY, row), row
 
 

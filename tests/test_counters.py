@@ -42,8 +42,9 @@ def test_labels_and_help() -> None:
 
 
 def test_row_add_get_and_totals(seg: Segment) -> None:
-    a = CounterRow(seg.view, seg.layout, 0)
-    b = CounterRow(seg.view, seg.layout, seg.layout.params.process_slots - 1)
+    last = seg.layout.params.process_slots - 1
+    a = procs.claim(seg.view, seg.layout, procs.Role.TOOL, index=0).counters
+    b = procs.claim(seg.view, seg.layout, procs.Role.TOOL, index=last).counters
     a.add(Counter.REQUESTS)
     a.add(Counter.REQUESTS, 4)
     b.add(Counter.REQUESTS, 10)

@@ -305,7 +305,7 @@ def test_metrics_show_what_the_segment_holds(redis_server: RedisServer) -> None:
 
         run(body())
         with Segment.attach(seg.name, readonly=True) as reader:  # as the admin listener
-            text = metrics.render(reader).decode()
+            text = metrics.render(reader)[0].decode()
         samples = {
             (s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(text)

@@ -13,7 +13,7 @@ import sys
 from multiprocessing.synchronize import Barrier
 
 import pytest
-from proc_helpers import CTX, run_children
+from proc_helpers import CTX, claimed_row, run_children
 
 from ankusa_shm.limits import MAX_SPAN_US, Limit, retry_ms
 from ankusa_shm.shm import counters
@@ -28,7 +28,7 @@ HITS = 50
 
 
 def _table(seg: Segment) -> tuple[GcraTable, CounterRow]:
-    row = CounterRow(seg.view, seg.layout, 0)
+    row = claimed_row(seg, 0)
     return GcraTable(seg.view, seg.layout, row), row
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import posix_ipc
 import pytest
-from proc_helpers import CTX, Children, dead_pid
+from proc_helpers import CTX, Children, claimed_row, dead_pid
 
 from ankusa_shm.clock import monotonic_ms
 from ankusa_shm.shm import breaker, procs
@@ -239,7 +239,7 @@ def test_list_names_every_figure() -> None:
         assert {c.family for c in Counter} <= listed
         assert set(GAUGES) <= listed
         for line in r.stdout.splitlines():
-            assert line.split()[1] in ("counter", "gauge")
+            assert line.split()[1] in ("counter", "gauge", "histogram")
             assert len(line.split()) > 2, f"no help text: {line!r}"
 
 
@@ -258,7 +258,7 @@ def test_watch_redraws_until_interrupted(seg: Segment) -> None:
     try:
         assert p.stdout is not None
         first = json.loads(p.stdout.readline())
-        seg.view.add(seg.layout.offset("counters") + Counter.REQUESTS.offset, 7)
+        claimed_row(seg, 0).add(Counter.REQUESTS, 7)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             doc = json.loads(p.stdout.readline())

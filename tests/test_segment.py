@@ -319,7 +319,7 @@ def test_config_snapshot_round_trip(seg: Segment) -> None:
     snap: dict[str, object] = {"fleet": {"breaker_window_ms": 10_000}, "sources": 2, "ü": [1]}
     seg.write_config(snap)
     assert seg.read_config() == snap
-    gen = seg.view.load(seg.layout.offset("config") + L.CF_GENERATION)
+    gen = seg.view.load(seg.layout.offset("config") + L.BLOB_GENERATION)
     assert gen % 2 == 0 and gen > 0
     seg.write_config({"a": 1})  # shorter than the last: no tail of the old one
     assert seg.read_config() == {"a": 1}

@@ -22,10 +22,10 @@ from proc_helpers import CTX, Children, dead_pid, run_children
 from ankusa_shm import config
 from ankusa_shm._atomics import AtomicView
 from ankusa_shm.fleet.redis_store import RedisStore
-from ankusa_shm.shm import counters, settle_queue
+from ankusa_shm.shm import counters, procs, settle_queue
 from ankusa_shm.shm import layout as L
 from ankusa_shm.shm import segment as segmod
-from ankusa_shm.shm.counters import Counter, CounterRow
+from ankusa_shm.shm.counters import Counter
 from ankusa_shm.shm.segment import Segment
 from ankusa_shm.shm.settle_queue import (
     ConsumerTaken,
@@ -341,7 +341,7 @@ def test_a_producer_killed_after_reserving_does_not_wedge_the_queue(seg: Segment
         victim.join(60)
     assert run_children(1, _push_records, seg.name, [1, 2, 3]) == [["ok"] * 3]
 
-    row = CounterRow(seg.view, seg.layout, 0)
+    row = procs.claim(seg.view, seg.layout, procs.Role.TOOL).counters
     q = queue(seg, grace_ms=GRACE_MS)
     q.become_consumer()
     assert q.depth() == 4
@@ -520,7 +520,7 @@ def test_a_ring_of_one_slot_is_refused(seg_name: str) -> None:
     """With one slot, "published" (pos + 1) and "free on the next lap" (pos + capacity)
     are the same sequence number: every push would overwrite the unread record."""
     with pytest.raises(ValueError, match="queue_capacity=1 is below 2"):
-        L.Layout.of(L.Params(counters=1, queue_capacity=1))
+        L.Layout.of(L.Params(counters=1, statuses=1, histogram_words=1, queue_capacity=1))
     with pytest.raises(ValueError, match="queue_capacity=1 is below 2"):
         Segment.create(seg_name, segmod.make_params(queue_capacity=1))
     with tiny_ring(seg_name, 2) as s:  # two slots are a ring

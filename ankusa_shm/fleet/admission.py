@@ -90,6 +90,7 @@ class Fleet:
         self._rate_fleet = "rate_limit" in self._kinds
         self._dedupe_fleet = "dedupe" in self._kinds
         self._limits = cfg.rate_limits
+        self._overrides: dict[str, Limit] = {}  # set at run time, ahead of the config
         f = cfg.fleet
         self._budget_s = f.timeout_ms / 1000
         self._deadline_s = f.call_deadline_s
@@ -117,7 +118,7 @@ class Fleet:
     async def admit(self, source: Source, envelope: Envelope) -> Admitted:
         """Charge the tenant and claim the event key, in whatever scope the config says."""
         now = self._clock()
-        limit = self._limits.limit_for(source.tenant)
+        limit = self._overrides.get(source.tenant) or self._limits.limit_for(source.tenant)
         event_key = envelope.event_key if self._dedupe_fleet else None
         if event_key is None and not self._rate_fleet:
             # Nothing for the fleet to do: both scopes node, or a keyless hook whose rate
@@ -154,6 +155,11 @@ class Fleet:
 
     def release(self, claim: Claim | None) -> None:
         self._settler.release(claim)
+
+    def set_overrides(self, overrides: dict[str, Limit]) -> None:
+        """Tenant limits set at run time (the admin API's), replacing the last set; a
+        tenant not in it goes back to its configured limit."""
+        self._overrides = dict(overrides)
 
     async def reset_tenant(self, tenant: str) -> None:
         """Forget the tenant's buckets, this host's and the fleet's (its limit changed).

@@ -27,6 +27,8 @@ from http import HTTPStatus
 
 import httptools
 
+from ankusa_shm import config
+
 log = logging.getLogger("ankusa_shm.http")
 
 SWEEP_S = 0.25
@@ -40,6 +42,8 @@ class Request:
     path: bytes  # without the query string
     headers: list[tuple[str, str]]  # latin-1 text, names lower-case, in the order received
     body: bytes
+    query: bytes = b""  # after the "?", undecoded
+    started_ns: int = 0  # monotonic, when its first byte was parsed
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,9 +51,12 @@ class Response:
     status: int
     body: bytes
     headers: tuple[tuple[bytes, bytes], ...] = ()
+    content_type: bytes = b"application/json"
 
 
 Handler = Callable[[Request], Awaitable[Response]]
+Observer = Callable[[bytes, int, int], None]
+"""Told of every answer: the request's path, the status, and when its first byte came."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,16 @@ class Limits:
     header_timeout_s: float
     body_timeout_s: float
     keepalive_timeout_s: float
+
+    @classmethod
+    def of(cls, s: config.Server) -> Limits:
+        return cls(
+            max_header_bytes=s.max_header_bytes,
+            max_body_bytes=s.max_body_bytes,
+            header_timeout_s=s.header_timeout_s,
+            body_timeout_s=s.body_timeout_s,
+            keepalive_timeout_s=s.keepalive_timeout_s,
+        )
 
 
 class _Reject(Exception):
@@ -76,17 +93,20 @@ def error_body(error: str) -> bytes:
     return b'{"error":"' + error.encode() + b'"}'
 
 
-def encode(resp: Response, keep_alive: bool) -> bytes:
-    head = [
+def encode(resp: Response, keep_alive: bool, head: bool = False) -> bytes:
+    """The answer's bytes; to a HEAD request, without its body (RFC 9110 9.3.2)."""
+    lines = [
         _STATUS_LINES[resp.status],
-        b"content-type: application/json\r\ncontent-length: ",
+        b"content-type: ",
+        resp.content_type,
+        b"\r\ncontent-length: ",
         str(len(resp.body)).encode(),
         b"\r\n" if keep_alive else b"\r\nconnection: close\r\n",
     ]
     for name, value in resp.headers:
-        head += (name, b": ", value, b"\r\n")
-    head += (b"\r\n", resp.body)
-    return b"".join(head)
+        lines += (name, b": ", value, b"\r\n")
+    lines += (b"\r\n", b"" if head else resp.body)
+    return b"".join(lines)
 
 
 class Connection(asyncio.Protocol):
@@ -106,6 +126,7 @@ class Connection(asyncio.Protocol):
         self._lingering = False
         # the request being parsed
         self._in_request = False
+        self._started_ns = 0
         self._url = b""
         self._headers: list[tuple[str, str]] = []
         self._header_bytes = 0
@@ -144,6 +165,8 @@ class Connection(asyncio.Protocol):
         except httptools.HttpParserUpgrade:
             self._reject(400, "upgrade_not_supported")
         except httptools.HttpParserError:
+            if self._closing:
+                return  # bytes after a request that asked to close: ignored (RFC 9112 9.6)
             self._reject(400, "bad_request")
 
     def eof_received(self) -> bool | None:
@@ -164,6 +187,7 @@ class Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._in_request = True
+        self._started_ns = time.monotonic_ns()
         self._url = b""
         self._headers = []
         self._header_bytes = 0
@@ -201,11 +225,15 @@ class Connection(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
-        path = self._url.partition(b"?")[0]
-        req = Request(self._parser.get_method(), path, self._headers, b"".join(self._body))
+        path, _, query = self._url.partition(b"?")
+        body = b"".join(self._body)
+        req = Request(self._parser.get_method(), path, self._headers, body, query, self._started_ns)
         self._in_request = False
         self._deadline = 0.0
-        self._pipeline.append((req, self._parser.should_keep_alive()))
+        keep_alive = self._parser.should_keep_alive()
+        self._pipeline.append((req, keep_alive))
+        if not keep_alive:
+            self._closing = True  # its answer is the last: nothing after it is read
         if len(self._pipeline) >= PIPELINE_DEPTH:
             self._pause_reading()
         if self._task is None:
@@ -216,6 +244,7 @@ class Connection(asyncio.Protocol):
     async def _answer(self) -> None:
         """Answer the pipeline in order; one task per connection at a time."""
         handler = self._server.handler
+        observe = self._server.observe
         try:
             while self._pipeline and self._transport is not None:
                 req, keep_alive = self._pipeline.popleft()
@@ -229,7 +258,9 @@ class Connection(asyncio.Protocol):
                 keep_alive = keep_alive and not self._server.stopping
                 if self._transport is None:
                     return
-                self._transport.write(encode(resp, keep_alive))
+                self._transport.write(encode(resp, keep_alive, req.method == b"HEAD"))
+                if observe is not None:
+                    observe(req.path, resp.status, req.started_ns)
                 if not keep_alive:
                     self._closing = True
                     self._pipeline.clear()
@@ -258,6 +289,10 @@ class Connection(asyncio.Protocol):
         if t is None:
             return
         t.write(encode(Response(status, error_body(error)), keep_alive=False))
+        observe = self._server.observe
+        if observe is not None:
+            path = self._url.partition(b"?")[0] if self._in_request else b""
+            observe(path, status, self._started_ns if self._in_request else time.monotonic_ns())
         # Close our side but keep reading (and discarding) for a moment, so the client
         # reads the answer instead of a reset caused by its unread bytes.
         if t.can_write_eof():
@@ -311,9 +346,10 @@ class Connection(asyncio.Protocol):
 class HttpServer:
     """The connections of one process, across all its listening sockets."""
 
-    def __init__(self, handler: Handler, limits: Limits) -> None:
+    def __init__(self, handler: Handler, limits: Limits, observe: Observer | None = None) -> None:
         self.handler = handler
         self.limits = limits
+        self.observe = observe
         self.connections: set[Connection] = set()
         self.stopping = False
         self._servers: list[asyncio.Server] = []
@@ -336,6 +372,13 @@ class HttpServer:
     def stop_accepting(self) -> None:
         for srv in self._servers:
             srv.close()
+
+    async def stop(self, graceful: bool, timeout_s: float) -> None:
+        """Graceful: ``drain``, logging what did not finish; else stop accepting now."""
+        if not graceful:
+            self.stop_accepting()
+        elif not await self.drain(timeout_s):
+            log.warning("graceful timeout: %d connections still busy", len(self.connections))
 
     async def drain(self, timeout_s: float) -> bool:
         """Stop accepting, let in-flight requests finish; True if all did in time."""

@@ -22,6 +22,7 @@ from ankusa_shm.hooks import (
     new_hook_id,
 )
 from ankusa_shm.http.event_key import KeyFinder, key_finder_for
+from ankusa_shm.http.observe import Observer
 from ankusa_shm.http.protocol import Request, Response, error_body
 from ankusa_shm.http.verify import Verifier, verifier_for
 from ankusa_shm.shm.counters import Counter, CounterRow
@@ -88,12 +89,14 @@ class RequestPath:
         fleet: Fleet,
         writer: Writer,
         row: CounterRow,
+        observer: Observer | None = None,
         wall_s: Callable[[], float] = time.time,
     ) -> None:
         self._routes = routes(cfg)
         self._fleet = fleet
         self._writer = writer
         self._row = row
+        self._observer = observer
         self._wall_s = wall_s
 
     async def __call__(self, req: Request) -> Response:
@@ -130,7 +133,10 @@ class RequestPath:
             headers=tuple(p for p in req.headers if p[0] not in _NOT_KEPT),
             body=req.body,
         )
+        began = time.monotonic_ns()
         result: CommitResult = await self._writer.commit(hook)
+        if self._observer is not None:
+            self._observer.committed(time.monotonic_ns() - began)
         self._fleet.settle(verdict.claim, result)
         if isinstance(result, Committed):
             return accepted(result.hook_id)

@@ -107,11 +107,20 @@ class CounterRow:
         return self._view.load(self._base + counter.offset)
 
 
+def claimed_slots(view: AtomicView, lay: L.Layout) -> list[int]:
+    """The process slots ever claimed: only their rows can hold anything, and on a host
+    they are a handful of the table's hundreds, so summing reads only these."""
+    base = lay.offset("processes") + L.PS_CLAIMS
+    return [
+        i for i in range(lay.params.process_slots) if view.load(base + i * L.PROCESS_SLOT_BYTES)
+    ]
+
+
 def totals(view: AtomicView, lay: L.Layout) -> dict[Counter, int]:
     """Every row summed. Rows only grow, so a later sum is never below an earlier one."""
     out = dict.fromkeys(Counter, 0)
     base = lay.offset("counters")
-    for slot in range(lay.params.process_slots):
+    for slot in claimed_slots(view, lay):
         row = base + slot * lay.counter_row
         for c in Counter:
             v = view.load(row + c.offset)

@@ -9,19 +9,29 @@ Regions, in order, each aligned to a 128-byte line (two x86 cache lines, so the 
 line prefetcher never makes two regions or two writers share a line):
 
     header       magic, layout version, sizes, region table, owner pid/birth, ready flag
-    config       a JSON snapshot of the effective configuration (seqlock: generation word,
-                 length word, bytes); written by the supervisor only
+    config       a blob (below): JSON snapshot of the effective configuration
+    sources      a blob: the JSON list of source ids, in the order their request-count
+                 rows were handed out (append-only, so a row never changes source)
+    overrides    a blob: JSON {tenant: [rate, burst]}, the tenant limits set at run time
     breaker      one packed state word; 32 time buckets of the sliding call window
     degraded     per kind (rate_limit, dedupe): a flag word and a last-warned word
     processes    one 128-byte slot per process: header word, start time, heartbeat,
                  the slot's request count when it was claimed
     counters     one padded row of counters per process slot, summed on read
+    requests     per process slot, one word per (source row, status): requests answered
+    histograms   per process slot, each histogram's bucket words and its sum word
+    store        the commit word: bumped after every store commit, for long-polls
     queue        settle queue: enqueue and dequeue positions on lines of their own,
                  the consumer's pid and identity, then fixed-size slots (sequence word +
                  record)
     gcra         node-scope rate limits: per tenant a key word and a tagged TAT word
 
-Who writes what. The supervisor writes the header and config. Any process that claims a
+A blob is a seqlocked byte string: a generation word (odd while its one writer rewrites
+it), a length word, then the bytes. A reader copies the bytes between two loads of the
+generation and keeps them only if both were the same even number.
+
+Who writes what. The supervisor writes the header, config and sources, and overrides at
+start; after that the admin process alone writes overrides. Any process that claims a
 process slot writes that slot and adds to its counter row, the breaker, the degraded
 flags, the GCRA table and the queue's enqueue side. Only the drainer (the queue's single
 consumer, named by its pid) advances the dequeue side. Readers write nothing.
@@ -68,7 +78,7 @@ import struct
 from dataclasses import dataclass, fields
 
 MAGIC = int.from_bytes(b"ANKUSHM\x01", "little")
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 LINE = 128
 WORD = 8
 PID_BITS = 22  # Linux's pid_max is at most 2**22
@@ -89,13 +99,35 @@ H_OWNER_START = 56  # the owner's start ticks: with H_OWNER_PID, who the owner i
 H_PARAMS = 64  # the Params fields, one word each, in declaration order
 H_REGIONS = 256  # (offset, size) word pairs, one per region in REGIONS order
 
-REGIONS = ("config", "breaker", "degraded", "processes", "counters", "queue", "gcra")
+REGIONS = (
+    "config",
+    "sources",
+    "overrides",
+    "breaker",
+    "degraded",
+    "processes",
+    "counters",
+    "requests",
+    "histograms",
+    "store",
+    "queue",
+    "gcra",
+)
 
-# -- config snapshot ----------------------------------------------------------------------
-CONFIG_BYTES = 16384
-CF_GENERATION = 0  # odd while the supervisor rewrites it
-CF_LENGTH = 8
-CF_DATA = 16
+# -- blobs: config, sources, overrides ------------------------------------------------------
+BLOB_GENERATION = 0  # odd while its writer rewrites it
+BLOB_LENGTH = 8
+BLOB_DATA = 16
+BLOB_BYTES = {"config": 16_384, "sources": 8_192, "overrides": 65_536}  # with the two words
+CONFIG_BYTES = BLOB_BYTES["config"]
+
+# -- request counts -------------------------------------------------------------------------
+# A process slot's row: SOURCE_ROWS rows of one word per status column (``requests``
+# says which). Row 0 counts requests that named no source, row 1 sources past the table.
+SOURCE_ROWS = 64
+
+# -- store ----------------------------------------------------------------------------------
+ST_COMMITS = 0  # store transactions committed, by every writer of this host
 
 # -- breaker --------------------------------------------------------------------------------
 BREAKER_BUCKETS = 32
@@ -187,6 +219,8 @@ class Params:
     """The sizes a segment is built with; two processes agree on a layout iff these match."""
 
     counters: int  # len(counters.Counter): adding a counter changes the layout
+    statuses: int  # status columns of a request-count row (``requests``)
+    histogram_words: int  # words of one slot's histogram row (``histograms``)
     queue_capacity: int = 50_000
     gcra_slots: int = 65_536
     process_slots: int = 256
@@ -214,17 +248,24 @@ class Layout:
     regions: dict[str, tuple[int, int]]
     total_size: int
     counter_row: int  # bytes per process row of counters, padded to LINE
+    request_row: int  # bytes per process row of request counts, padded to LINE
+    histogram_row: int  # bytes per process row of histograms, padded to LINE
 
     @classmethod
     def of(cls, params: Params) -> Layout:
         params.check()
         counter_row = _up(params.counters * WORD)
+        request_row = _up(SOURCE_ROWS * params.statuses * WORD)
+        histogram_row = _up(params.histogram_words * WORD)
         sizes = {
-            "config": CONFIG_BYTES,
+            **BLOB_BYTES,
             "breaker": BR_BUCKETS + BREAKER_BUCKETS * WORD,
             "degraded": len(KINDS) * LINE,
             "processes": params.process_slots * PROCESS_SLOT_BYTES,
             "counters": params.process_slots * counter_row,
+            "requests": params.process_slots * request_row,
+            "histograms": params.process_slots * histogram_row,
+            "store": LINE,
             "queue": Q_SLOTS + params.queue_capacity * QUEUE_SLOT_BYTES,
             "gcra": params.gcra_slots * GCRA_SLOT_BYTES,
         }
@@ -233,7 +274,7 @@ class Layout:
         for name in REGIONS:
             regions[name] = (at, _up(sizes[name]))
             at += _up(sizes[name])
-        return cls(params, regions, _up(at, 4096), counter_row)
+        return cls(params, regions, _up(at, 4096), counter_row, request_row, histogram_row)
 
     def offset(self, region: str) -> int:
         return self.regions[region][0]

@@ -29,6 +29,7 @@ class Role(enum.IntEnum):
     WORKER = 2
     DRAINER = 3
     TOOL = 4
+    ADMIN = 5
 
 
 class SlotState(enum.IntEnum):

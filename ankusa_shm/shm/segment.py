@@ -8,7 +8,6 @@ read the segment and can never write to it. ``close()`` is this process letting 
 
 from __future__ import annotations
 
-import json
 import logging
 import mmap
 import os
@@ -18,7 +17,9 @@ from dataclasses import dataclass
 import posix_ipc
 
 from ankusa_shm._atomics import AtomicView
+from ankusa_shm.shm import histograms, requests
 from ankusa_shm.shm import layout as L
+from ankusa_shm.shm.blob import Blob, BlobTooLarge
 from ankusa_shm.shm.counters import Counter
 from ankusa_shm.shm.pids import my_start, pid_alive
 from ankusa_shm.shm.settle_queue import SettleQueue
@@ -71,6 +72,8 @@ def make_params(
     """Params for this build: the counter count is the build's, the sizes the config's."""
     return L.Params(
         counters=len(Counter),
+        statuses=requests.COLUMNS,
+        histogram_words=histograms.WORDS,
         queue_capacity=queue_capacity,
         gcra_slots=gcra_slots,
         process_slots=process_slots,
@@ -236,35 +239,21 @@ class Segment:
             params=_read_params(v),
         )
 
+    def blob(self, region: str) -> Blob:
+        """One of the segment's JSON documents: config, sources, overrides."""
+        return Blob(self.view, self.buf, self.layout, region)
+
     def write_config(self, snapshot: dict[str, object]) -> None:
         """Publish the effective configuration for readers (supervisor only)."""
-        data = json.dumps(snapshot, sort_keys=True, separators=(",", ":")).encode()
-        if len(data) > L.CONFIG_BYTES - L.CF_DATA:
-            data = json.dumps({"truncated": True}).encode()
-        base = self.layout.offset("config")
-        v = self.view
-        gen = v.load(base + L.CF_GENERATION)
-        v.store(base + L.CF_GENERATION, gen | 1)
-        self.buf[base + L.CF_DATA : base + L.CF_DATA + len(data)] = data
-        v.store(base + L.CF_LENGTH, len(data))
-        v.store(base + L.CF_GENERATION, (gen | 1) + 1)
+        try:
+            self.blob("config").write(snapshot)
+        except BlobTooLarge:
+            self.blob("config").write({"truncated": True})
 
     def read_config(self) -> dict[str, object]:
         """The published configuration snapshot; {} if none was written."""
-        base = self.layout.offset("config")
-        v = self.view
-        for _ in range(100):
-            gen = v.load(base + L.CF_GENERATION)
-            n = min(v.load(base + L.CF_LENGTH), L.CONFIG_BYTES - L.CF_DATA)
-            data = bytes(self.buf[base + L.CF_DATA : base + L.CF_DATA + n])
-            if gen & 1 == 0 and v.load(base + L.CF_GENERATION) == gen:
-                try:
-                    loaded = json.loads(data) if data else {}
-                except ValueError:
-                    return {}
-                return loaded if isinstance(loaded, dict) else {}
-            time.sleep(0.001)
-        return {}
+        loaded = self.blob("config").read()
+        return loaded if isinstance(loaded, dict) else {}
 
     def queue_depth(self) -> int:
         return SettleQueue(self.view, self.buf, self.layout).depth()

@@ -11,11 +11,12 @@ import time
 from dataclasses import dataclass
 
 from ankusa_shm._atomics import AtomicView
-from ankusa_shm.shm import breaker, counters, procs
+from ankusa_shm.shm import breaker, counters, histograms, procs, requests
 from ankusa_shm.shm import layout as L
 from ankusa_shm.shm.counters import Counter
 from ankusa_shm.shm.degraded import Degraded
 from ankusa_shm.shm.gcra import GcraTable
+from ankusa_shm.shm.histograms import Histogram
 from ankusa_shm.shm.pids import pid_alive
 from ankusa_shm.shm.segment import CorruptSegment, Header, Segment
 from ankusa_shm.shm.settle_queue import SettleQueue
@@ -43,6 +44,8 @@ class Snapshot:
     breaker: BreakerView
     degraded: dict[str, bool]
     counters: dict[Counter, int]
+    requests: dict[tuple[str, str], int]  # (source, status) -> requests answered
+    histograms: dict[Histogram, histograms.Totals]
     queue_depth: int
     queue_capacity: int
     consumer_pid: int
@@ -56,15 +59,20 @@ class Snapshot:
 @dataclass(frozen=True)
 class Figure:
     family: str
-    kind: str  # "counter" | "gauge"
+    kind: str  # "counter" | "gauge" | "histogram"
     help: str
     labels: tuple[tuple[str, str], ...]
-    value: float
+    value: float  # a histogram's: its count
+    buckets: tuple[tuple[float, int], ...] = ()  # a histogram's (le, cumulative count)
+    sum: float = 0.0  # a histogram's sum, in its unit
 
     @property
     def label(self) -> str:
         return counters.label(self.family, self.labels)
 
+
+REQUESTS_FAMILY = "http_requests"
+REQUESTS_HELP = "Requests answered, by source (empty: none named) and status."
 
 GAUGES: dict[str, str] = {
     "fleet_limiter_degraded": "1 while hooks of this kind are answered node-local.",
@@ -85,6 +93,8 @@ def declared() -> list[tuple[str, str, str]]:
     """(family, kind, help) of every figure, without a segment: for ``--list`` and docs."""
     families = dict.fromkeys(c.family for c in Counter)
     rows = [(f, "counter", counters.family_help(f)) for f in families]
+    rows.append((REQUESTS_FAMILY, "counter", REQUESTS_HELP))
+    rows += [(h.family, "histogram", h.help) for h in Histogram]
     return rows + [(f, "gauge", h) for f, h in GAUGES.items()]
 
 
@@ -116,6 +126,8 @@ def take(seg: Segment) -> Snapshot:
         breaker=BreakerView(state.name.lower(), owner, since, window_ms, calls, failures),
         degraded={k: degraded.is_set(k) for k in L.KINDS},
         counters=counters.totals(v, lay),
+        requests=_requests(seg),
+        histograms=histograms.totals(v, lay),
         queue_depth=queue.depth(),
         queue_capacity=queue.capacity,
         consumer_pid=queue.consumer_pid(),
@@ -125,6 +137,17 @@ def take(seg: Segment) -> Snapshot:
         limiter_used=used,
         limiter_filling=filling,
     )
+
+
+def _requests(seg: Segment) -> dict[tuple[str, str], int]:
+    names = requests.source_names(seg.blob("sources"))
+    out: dict[tuple[str, str], int] = {}
+    for (row, column), n in requests.totals(seg.view, seg.layout).items():
+        if row - requests.FIRST_SOURCE_ROW >= len(names):
+            continue  # counted for a table entry whose name this reader cannot see
+        key = (requests.row_label(names, row), requests.status_label(column))
+        out[key] = out.get(key, 0) + n
+    return out
 
 
 def _check_identities(
@@ -153,6 +176,13 @@ def figures(s: Snapshot) -> list[Figure]:
         Figure(c.family, "counter", counters.family_help(c.family), c.labels, s.counters[c])
         for c in Counter
     ]
+
+    for (source, status), n in sorted(s.requests.items()):
+        labels = (("source", source), ("status", status))
+        out.append(Figure(REQUESTS_FAMILY, "counter", REQUESTS_HELP, labels, n))
+    for h, t in s.histograms.items():
+        buckets, total = tuple(t.cumulative()), t.sum / h.per_unit
+        out.append(Figure(h.family, "histogram", h.help, (), t.count, buckets, total))
 
     def gauge(family: str, value: float, *labels: tuple[str, str]) -> None:
         out.append(Figure(family, "gauge", GAUGES[family], labels, value))

@@ -1,23 +1,28 @@
-"""Read-only queries over the hook store, for tests, tools and the consumer API to come.
+"""Read-only queries over the hook store, for tests, tools and the consumer API.
 
-Each call opens a ``mode=ro`` connection, runs one statement (one short read transaction
-in WAL mode: it never blocks a writer, and a writer never blocks it) and closes it.
+Every query is one statement on a ``mode=ro`` connection, read to its end: one short read
+transaction in WAL mode, which never blocks a writer and which a writer never blocks. The
+module's functions open a connection per call, for tools and tests; a long-lived process
+keeps one open in a ``Reader``, which runs the same queries.
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import json
 import sqlite3
-from collections.abc import Iterator
-from contextlib import closing, contextmanager
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ankusa_shm.hooks import Headers
 from ankusa_shm.store import schema
 from ankusa_shm.store.schema import StoreError
 
+T = TypeVar("T")
 _COLUMNS = "seq, id, tenant, source, event_key, received_ms, headers, body"
 
 
@@ -34,14 +39,30 @@ class StoredHook:
     headers: Headers
     body: bytes
 
+    def doc(self) -> dict[str, Any]:
+        """As JSON, for the consumer API and ``hooks --json``: the key and the body as text
+        when they are UTF-8, else base64 (they are whatever the sender chose)."""
+        doc: dict[str, Any] = {"id": self.id, "seq": self.seq}
+        doc.update(tenant=self.tenant, source=self.source)
+        key = None if self.event_key is None else _text(self.event_key)
+        doc["event_key"] = key
+        if self.event_key is not None and key is None:
+            doc["event_key_base64"] = base64.b64encode(self.event_key).decode("ascii")
+        doc["received_ms"] = self.received_ms
+        doc["headers"] = [[name, value] for name, value in self.headers]
+        body = _text(self.body)
+        if body is None:
+            doc["body_base64"] = base64.b64encode(self.body).decode("ascii")
+        else:
+            doc["body"] = body
+        return doc
 
-@contextmanager
-def _reading(path: str | Path) -> Iterator[sqlite3.Connection]:
+
+def _text(data: bytes) -> str | None:
     try:
-        with closing(schema.connect_ro(path)) as conn:
-            yield conn
-    except sqlite3.Error as e:
-        raise StoreError(f"{path}: cannot read: {e}") from None
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 def _hook(row: Any) -> StoredHook:
@@ -52,31 +73,153 @@ def _hook(row: Any) -> StoredHook:
     )
 
 
+class Reader:
+    """One ``mode=ro`` connection kept open, for a process that reads often.
+
+    Calls may come from any thread, one at a time (a mutex sees to it). A call that fails
+    on a connection opened earlier is tried once more on a new one (the file may have been
+    replaced, or the error was passing); any other failure is a ``StoreError``.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = path
+        self._conn: sqlite3.Connection | None = None
+        self._mutex = threading.Lock()
+
+    def page(self, after_seq: int, limit: int, source: str | None = None) -> list[StoredHook]:
+        """Up to ``limit`` hooks committed after ``after_seq`` (of ``source`` only, if given),
+        in commit order: a consumer resumes from the last ``seq`` it has seen. A snapshot
+        holds a prefix of the commit order, so paging on never skips a hook. The source
+        filter walks the hooks after the cursor: it is for tools, not for a hot path."""
+        params: list[Any]
+        if source is None:
+            sql, params = "seq > ?", [after_seq, limit]
+        else:
+            sql, params = "seq > ? AND source = ?", [after_seq, source, limit]
+        rows = self._rows(f"SELECT {_COLUMNS} FROM hooks WHERE {sql} ORDER BY seq LIMIT ?", params)
+        return [_hook(r) for r in rows]
+
+    def latest(self, n: int) -> list[StoredHook]:
+        """The last ``n`` hooks committed, in commit order."""
+        rows = self._rows(
+            f"SELECT * FROM (SELECT {_COLUMNS} FROM hooks ORDER BY seq DESC LIMIT ?) ORDER BY seq",
+            [n],
+        )
+        return [_hook(r) for r in rows]
+
+    def get(self, hook_id: str) -> StoredHook | None:
+        """The hook stored under ``hook_id``, or None."""
+        rows = self._rows(f"SELECT {_COLUMNS} FROM hooks WHERE id = ?", [hook_id])
+        return _hook(rows[0]) if rows else None
+
+    def count(self) -> int:
+        """How many hooks are stored."""
+        return int(self._rows("SELECT count(*) FROM hooks")[0][0])
+
+    def ids(self) -> set[str]:
+        """The ids of every stored hook."""
+        return {str(r[0]) for r in self._rows("SELECT id FROM hooks")}
+
+    def last_seq(self) -> int:
+        """The seq of the last hook ever committed, 0 if none: it stays when retention has
+        deleted that hook, so a cursor acked there stays valid."""
+        return int(self._rows(schema.LAST_SEQ)[0][0])
+
+    def consumer(self, name: str) -> int | None:
+        """Consumer ``name``'s acked cursor, or None if it never acked."""
+        rows = self._rows("SELECT cursor FROM consumers WHERE name = ?", [name])
+        return int(rows[0][0]) if rows else None
+
+    def consumers(self) -> dict[str, int]:
+        """Every named consumer's acked cursor."""
+        return {str(n): int(c) for n, c in self._rows("SELECT name, cursor FROM consumers")}
+
+    def overrides(self) -> dict[str, tuple[float, int]]:
+        """The tenants' rate-limit overrides: tenant -> (rate, burst)."""
+        rows = self._rows("SELECT tenant, rate, burst FROM rate_overrides")
+        return {str(t): (float(r), int(b)) for t, r, b in rows}
+
+    def close(self) -> None:
+        with self._mutex:
+            self._drop()
+
+    def _rows(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        with self._mutex:
+            again = self._conn is not None
+            while True:
+                try:
+                    if self._conn is None:
+                        self._conn = self._open()
+                    return self._conn.execute(sql, params).fetchall()
+                except sqlite3.Error as e:
+                    self._drop()
+                    if not again:
+                        raise StoreError(f"{self.path}: cannot read: {e}") from None
+                    again = False
+
+    def _open(self) -> sqlite3.Connection:
+        # mode=ro cannot create the file; saying so beats "unable to open database file".
+        if not Path(self.path).exists():
+            raise StoreError(
+                f"{self.path}: cannot read: no such file (the service creates it when it starts)"
+            )
+        return schema.connect_ro(self.path, any_thread=True)
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            conn, self._conn = self._conn, None
+            with contextlib.suppress(sqlite3.Error):
+                conn.close()
+
+
+def _once(path: str | Path, call: Callable[[Reader], T]) -> T:
+    """``call`` on a Reader of its own, closed at once: the module's functions."""
+    with contextlib.closing(Reader(path)) as reader:
+        return call(reader)
+
+
+def page(
+    path: str | Path, after_seq: int, limit: int, source: str | None = None
+) -> list[StoredHook]:
+    """See ``Reader.page``."""
+    return _once(path, lambda r: r.page(after_seq, limit, source))
+
+
+def latest(path: str | Path, n: int) -> list[StoredHook]:
+    """See ``Reader.latest``."""
+    return _once(path, lambda r: r.latest(n))
+
+
 def get(path: str | Path, hook_id: str) -> StoredHook | None:
-    """The hook stored under ``hook_id``, or None."""
-    with _reading(path) as conn:
-        row = conn.execute(f"SELECT {_COLUMNS} FROM hooks WHERE id = ?", (hook_id,)).fetchone()
-    return None if row is None else _hook(row)
+    """See ``Reader.get``."""
+    return _once(path, lambda r: r.get(hook_id))
 
 
 def count(path: str | Path) -> int:
-    """How many hooks are stored."""
-    with _reading(path) as conn:
-        return int(conn.execute("SELECT count(*) FROM hooks").fetchone()[0])
+    """See ``Reader.count``."""
+    return _once(path, Reader.count)
 
 
 def ids(path: str | Path) -> set[str]:
-    """The ids of every stored hook."""
-    with _reading(path) as conn:
-        return {str(r[0]) for r in conn.execute("SELECT id FROM hooks")}
+    """See ``Reader.ids``."""
+    return _once(path, Reader.ids)
 
 
-def page(path: str | Path, after_seq: int, limit: int) -> list[StoredHook]:
-    """Up to ``limit`` hooks committed after ``after_seq``, in commit order: a consumer
-    resumes from the last ``seq`` it has seen."""
-    with _reading(path) as conn:
-        rows = conn.execute(
-            f"SELECT {_COLUMNS} FROM hooks WHERE seq > ? ORDER BY seq LIMIT ?",
-            (after_seq, limit),
-        ).fetchall()
-    return [_hook(r) for r in rows]
+def last_seq(path: str | Path) -> int:
+    """See ``Reader.last_seq``."""
+    return _once(path, Reader.last_seq)
+
+
+def consumer(path: str | Path, name: str) -> int | None:
+    """See ``Reader.consumer``."""
+    return _once(path, lambda r: r.consumer(name))
+
+
+def consumers(path: str | Path) -> dict[str, int]:
+    """See ``Reader.consumers``."""
+    return _once(path, Reader.consumers)
+
+
+def overrides(path: str | Path) -> dict[str, tuple[float, int]]:
+    """See ``Reader.overrides``."""
+    return _once(path, Reader.overrides)

@@ -19,13 +19,12 @@ from pathlib import Path
 from typing import Literal
 
 APPLICATION_ID = 0x616E6B75  # "anku": marks the file as an ankusa-shm store
-VERSION = 1
 
-# ``seq`` is the commit order and the future consumer cursor. AUTOINCREMENT because a
-# cursor must never see a number twice: without it SQLite may hand out the largest seq
-# again once that row is deleted (retention will delete rows). Writers are serialized,
-# so seqs are assigned in commit order and a reader's snapshot always holds a prefix.
-_SCHEMA = """
+# ``seq`` is the commit order and the consumer cursor. AUTOINCREMENT because a cursor must
+# never see a number twice: without it SQLite may hand out the largest seq again once that
+# row is deleted (retention deletes rows). Writers are serialized, so seqs are assigned in
+# commit order and a reader's snapshot always holds a prefix.
+_V1 = """
 CREATE TABLE hooks (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
     id TEXT NOT NULL UNIQUE,
@@ -46,6 +45,35 @@ CREATE TABLE dedupe (
 CREATE INDEX dedupe_expires ON dedupe (expires_ms);
 """
 
+# What the admin process keeps: each named consumer's cursor (a ``hooks.seq``), the
+# tenants' rate-limit overrides, and ``meta`` for the readiness probe's write.
+_V2 = """
+CREATE TABLE consumers (
+    name TEXT PRIMARY KEY,
+    cursor INTEGER NOT NULL,
+    acked_ms INTEGER NOT NULL
+) WITHOUT ROWID;
+CREATE TABLE rate_overrides (
+    tenant TEXT PRIMARY KEY,
+    rate REAL NOT NULL,
+    burst INTEGER NOT NULL,
+    set_ms INTEGER NOT NULL
+) WITHOUT ROWID;
+CREATE TABLE meta (
+    key TEXT PRIMARY KEY,
+    value INTEGER NOT NULL
+) WITHOUT ROWID;
+"""
+
+# The seq of the last hook ever committed, 0 if none: sqlite_sequence keeps the largest seq
+# handed out even once retention deleted its row.
+LAST_SEQ = "SELECT coalesce((SELECT seq FROM sqlite_sequence WHERE name = 'hooks'), 0)"
+
+# _STEPS[v] takes a file of version v to v + 1: a new file runs them all, an older file the
+# ones it lacks, so both end with the same tables. Only ever append a step.
+_STEPS = (_V1, _V2)
+VERSION = len(_STEPS)
+
 Durability = Literal["fsync", "os"]
 _SYNCHRONOUS: dict[str, str] = {"fsync": "FULL", "os": "NORMAL"}
 
@@ -60,7 +88,12 @@ def lock_path(path: str | Path) -> Path:
 
 
 def connect(
-    path: str | Path, durability: Durability, busy_timeout_ms: int, *, autocheckpoint: bool = True
+    path: str | Path,
+    durability: Durability,
+    busy_timeout_ms: int,
+    *,
+    autocheckpoint: bool = True,
+    any_thread: bool = False,
 ) -> sqlite3.Connection:
     """A read-write connection in WAL mode, creating the file (not the schema) if needed.
 
@@ -68,8 +101,10 @@ def connect(
     write lock is taken at a moment it chooses, not at the first INSERT. Without
     ``autocheckpoint`` its commits never checkpoint (``wal_autocheckpoint = 0``): whoever
     opens it so must run ``PRAGMA wal_checkpoint`` itself, or the log grows forever.
+    ``any_thread`` lets calls come from any thread (one at a time: the caller serializes
+    them), for an owner whose calls run on a thread pool.
     """
-    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=True)
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=not any_thread)
     try:
         conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
         mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
@@ -84,19 +119,23 @@ def connect(
     return conn
 
 
-def connect_ro(path: str | Path, busy_timeout_ms: int = 1_000) -> sqlite3.Connection:
-    """A read-only connection (``mode=ro``): it can never take the write lock."""
+def connect_ro(
+    path: str | Path, busy_timeout_ms: int = 1_000, *, any_thread: bool = False
+) -> sqlite3.Connection:
+    """A read-only connection (``mode=ro``): it can never take the write lock.
+    ``any_thread`` as for ``connect``."""
     uri = Path(path).absolute().as_uri() + "?mode=ro"
-    conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=True)
+    conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=not any_thread)
     conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
     return conn
 
 
 def ensure_schema(conn: sqlite3.Connection, path: str | Path) -> None:
-    """Create the tables in a new file; accept a file of this version; refuse the rest.
+    """Create the tables in a new file, bring an older file of ours up to this version in
+    place, accept this version; refuse someone else's file or a newer one.
 
-    Runs in one BEGIN IMMEDIATE transaction, so processes starting together create the
-    tables once and never see half of them.
+    Runs in one BEGIN IMMEDIATE transaction, so processes starting together create or
+    migrate the tables once and never see half of them.
     """
     conn.execute("BEGIN IMMEDIATE")
     try:
@@ -104,14 +143,16 @@ def ensure_schema(conn: sqlite3.Connection, path: str | Path) -> None:
         version = conn.execute("PRAGMA user_version").fetchone()[0]
         tables = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
         if app_id == 0 and version == 0 and tables == 0:
-            for statement in filter(str.strip, _SCHEMA.split(";")):
-                conn.execute(statement)
             conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-            conn.execute(f"PRAGMA user_version = {VERSION}")
         elif app_id != APPLICATION_ID:
             raise StoreError(f"{path}: not an ankusa-shm hook store")
-        elif version != VERSION:
+        elif not 1 <= version <= VERSION:
             raise StoreError(f"{path}: store version {version}, this build reads {VERSION}")
+        if version < VERSION:
+            for step in _STEPS[version:]:
+                for statement in filter(str.strip, step.split(";")):
+                    conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {VERSION}")
         conn.execute("COMMIT")
     except BaseException:
         if conn.in_transaction:

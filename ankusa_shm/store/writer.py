@@ -45,9 +45,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import fcntl
 import logging
-import os
 import sqlite3
 import threading
 import time
@@ -60,6 +58,7 @@ from typing import Any
 from ankusa_shm import config
 from ankusa_shm.hooks import AlreadyStored, CommitResult, Committed, Headers, NewHook, NotStored
 from ankusa_shm.store import schema
+from ankusa_shm.store.lock import WriteLock
 from ankusa_shm.store.schema import StoreError
 
 __all__ = [
@@ -81,7 +80,6 @@ SWEEP_ROWS = 500  # index rows deleted per sweep transaction: a few ms of lock a
 CHECKPOINT_PAGES = 2_000  # checkpoint once this writer has logged about this many pages
 WAL_LIMIT_FRAMES = 4_096  # a log this long (16 MiB of 4 KiB pages) is finished under the lock
 _BUSY_PAUSE_S = 0.01  # after SQLITE_BUSY, so a holder that refuses at once is not spun on
-_BOOT_POLL_S = 0.005
 _NEVER = 1 << 62
 
 WallClock = Callable[[], int]
@@ -203,43 +201,23 @@ def _busy(e: sqlite3.Error) -> bool:
     return code in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 
 
-class _WriteLock:
-    """``flock`` on ``<db>.lock``, the turn-taking between this store's writer processes."""
-
-    def __init__(self, path: Path) -> None:
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-
-    def acquire(self) -> None:
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-
-    def acquire_within(self, timeout_s: float) -> bool:
-        """Poll for the lock; only at boot, where a stuck holder must not hang us."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return True
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    return False
-                time.sleep(_BOOT_POLL_S)
-
-    def release(self) -> None:
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-
-    def close(self) -> None:
-        os.close(self._fd)
-
-
 class Writer:
     """The store's writer for one worker process: create it after fork, ``start`` it on the
     worker's event loop, call ``commit`` only from that loop, ``close`` it once."""
 
-    def __init__(self, cfg: config.Store, wall: WallClock = wall_ms) -> None:
+    def __init__(
+        self,
+        cfg: config.Store,
+        wall: WallClock = wall_ms,
+        on_commit: Callable[[int], None] | None = None,
+    ) -> None:
+        """``on_commit`` is called from the writer thread after each transaction that
+        committed hooks, with how many it held (for metrics and long-polls)."""
         self.cfg = cfg
         self.path = Path(cfg.path)
         self.stats = WriterStats()
         self._wall = wall
+        self._on_commit = on_commit
         self._timeout_ns = cfg.lock_timeout_ms * 1_000_000
         self._wait_ns = cfg.commit_wait_ms * 1_000_000
         self._max_batch = cfg.max_batch
@@ -259,7 +237,7 @@ class Writer:
         self._thread: threading.Thread | None = None
         # The thread's:
         self._conn: sqlite3.Connection | None = None
-        self._lock: _WriteLock | None = None
+        self._lock: WriteLock | None = None
         self._failing = False  # the last transaction failed: log the recovery
         self._pause = False  # SQLite was busy: pause once the lock is let go
         self._log_pages = 0  # pages logged since the last checkpoint, about: see _logged
@@ -385,7 +363,7 @@ class Writer:
         together create the tables once; bounded, so a stuck holder fails the boot."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._lock = _WriteLock(schema.lock_path(self.path))
+            self._lock = WriteLock(schema.lock_path(self.path))
         except OSError as e:
             raise StoreError(f"{self.path}: cannot open: {e.strerror}") from None
         if not self._lock.acquire_within(self.cfg.lock_timeout_ms / 1000):
@@ -628,6 +606,8 @@ class Writer:
             s.committed += committed
             s.already_stored += already
             self._logged(committed, size)
+            if self._on_commit is not None:
+                self._on_commit(len(batch))
         answers.extend(zip([item.future for item in batch], results, strict=True))
         return answers
 

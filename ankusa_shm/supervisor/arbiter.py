@@ -28,23 +28,27 @@ import logging
 import os
 import select
 import signal
+import socket
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import setproctitle
 
-from ankusa_shm import child, config
+from ankusa_shm import child, config, overrides
 from ankusa_shm.clock import monotonic_ms
 from ankusa_shm.config import Config
-from ankusa_shm.shm import procs
+from ankusa_shm.shm import procs, requests
 from ankusa_shm.shm.procs import Role
 from ankusa_shm.shm.segment import Segment, make_params
+from ankusa_shm.store import readers
+from ankusa_shm.store.schema import StoreError
 from ankusa_shm.supervisor import sockets as socks
 from ankusa_shm.supervisor.notify import Notifier
 
 log = logging.getLogger("ankusa_shm.supervisor")
 
+ADMIN_BACKLOG = 128
 KILL_AFTER_S = 2.0  # SIGABRT, then SIGKILL if it is still there
 FAST_STOP_S = 2.0  # INT/QUIT: how long children get before SIGKILL
 YOUNG_S = 1.0  # a child dying younger than this backs off its respawn
@@ -65,6 +69,7 @@ _HANDLED = (
 class Kind(enum.Enum):
     WORKER = "worker"
     DRAINER = "drainer"
+    ADMIN = "admin"
 
 
 @dataclass(eq=False)
@@ -111,6 +116,7 @@ class Arbiter:
         self._last_watchdog = 0.0
         self._seg: Segment | None = None
         self._listeners: socks.Listeners | None = None
+        self._admin_socket: socket.socket | None = None
         self._wake_r, self._wake_w = -1, -1
 
     # -- the life of the supervisor -------------------------------------------------------
@@ -121,8 +127,11 @@ class Arbiter:
             cfg.server.segment, make_params(cfg.fleet.settle_queue_size)
         )
         try:
-            self._seg.write_config(cfg.public())
+            self._publish(cfg)
+            _publish_overrides(self._seg, cfg)
             self._listeners = socks.Listeners(cfg.server.listen, cfg.server.backlog)
+            if cfg.server.admin_listen:
+                (self._admin_socket,) = socks.bind([cfg.server.admin_listen], ADMIN_BACKLOG)
             self._install_signals()
             setproctitle.setproctitle(f"ankusa-shm: supervisor [{self._seg.name.lstrip('/')}]")
             log.info(
@@ -136,6 +145,8 @@ class Arbiter:
         finally:
             if self._listeners is not None:
                 self._listeners.close()
+            if self._admin_socket is not None:
+                self._admin_socket.close()
             self.notifier.close()
             self._seg.close()
 
@@ -225,25 +236,34 @@ class Arbiter:
         for c in self._children.values():
             if c.ready_fd is not None:
                 os.close(c.ready_fd)
-        seg, cfg, listeners = self._seg, self.cfg, self._listeners
+        seg, cfg, listeners, admin_socket = self._seg, self.cfg, self._listeners, self._admin_socket
         assert seg is not None and listeners is not None
         mine = listeners.lane(lane) if kind is Kind.WORKER else []
         for s in listeners.all():  # the other lanes' sockets are not this child's
             if s not in mine:
                 s.close()
+        if admin_socket is not None and kind is not Kind.ADMIN:
+            admin_socket.close()
         title = f"ankusa-shm: {kind.value} [{seg.name.lstrip('/')}]"
 
         def ready() -> None:
             os.write(ready_w, b"1")
             os.close(ready_w)
 
-        def body() -> int:
-            from ankusa_shm import worker
-            from ankusa_shm.fleet import drainer
-
+        def body() -> int:  # each child imports only what it runs
             if kind is Kind.DRAINER:
+                from ankusa_shm.fleet import drainer
+
                 slot = procs.claim(seg.view, seg.layout, Role.DRAINER)
                 return drainer.main(cfg, seg, slot, ready)
+            if kind is Kind.ADMIN:
+                from ankusa_shm.admin import process as admin
+
+                assert admin_socket is not None
+                slot = procs.claim(seg.view, seg.layout, Role.ADMIN)
+                return admin.main(cfg, seg, slot, admin_socket, ready)
+            from ankusa_shm import worker
+
             slot = procs.claim(seg.view, seg.layout, Role.WORKER)
             return worker.Worker(cfg, seg, slot, mine, ready).run()
 
@@ -293,16 +313,16 @@ class Arbiter:
     def _on_boot_error(self, c: Child) -> None:
         if c.cfg is self.cfg and self._previous is not None:
             log.error(
-                "a %s of the new configuration cannot start; going back to the previous one",
+                "%s %d of the new configuration cannot start; going back to the previous one",
                 c.kind.value,
+                c.pid,
             )
             self.cfg, self._previous = self._previous, None
             self._target = _worker_count(self.cfg)
-            assert self._seg is not None
-            self._seg.write_config(self.cfg.public())
+            self._publish(self.cfg)
             self.notifier.send("READY=1", self._status())
             return  # the failed config's children are now old, and replaced as such
-        self._halt = f"a {c.kind.value} cannot start (its error is logged above)"
+        self._halt = f"{c.kind.value} {c.pid} cannot start (its error is logged above)"
 
     def _retire(self, c: Child) -> None:
         if not c.retiring:
@@ -343,6 +363,14 @@ class Arbiter:
         d_b = self._backoff[Kind.DRAINER]
         if want_drainer and not drainers and now >= d_b.not_before:
             self._spawn(Kind.DRAINER)  # only once the last one is gone: one consumer
+
+        admins = [c for c in self._children.values() if c.kind is Kind.ADMIN]
+        for a in admins:
+            if a.cfg is not self.cfg and not a.retiring:
+                self._retire(a)
+        a_b = self._backoff[Kind.ADMIN]
+        if self._admin_socket is not None and not admins and now >= a_b.not_before:
+            self._spawn(Kind.ADMIN)  # once the old one is gone: one writer of the overrides
 
         drainer_current = not want_drainer or any(
             d.cfg is self.cfg and d.ready and not d.retiring for d in drainers
@@ -405,6 +433,13 @@ class Arbiter:
             f"fleet {fleet}{', drainer up' if drainer else ''}"
         )
 
+    def _publish(self, cfg: Config) -> None:
+        """What readers and the children take from the segment: the config snapshot and
+        the source table, before any child of this config is forked."""
+        assert self._seg is not None
+        self._seg.write_config(cfg.public())
+        requests.assign(self._seg.blob("sources"), [s.id for s in cfg.sources])
+
     # -- reload -----------------------------------------------------------------------------
 
     def _reload(self) -> None:
@@ -420,8 +455,7 @@ class Arbiter:
         self.notifier.send("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
         self._previous, self.cfg = self._previous or self.cfg, new
         self._target = _worker_count(new)
-        assert self._seg is not None
-        self._seg.write_config(new.public())
+        self._publish(new)
         log.info("HUP: %s read; replacing workers one at a time", self.config_path)
 
     # -- stopping ---------------------------------------------------------------------------
@@ -481,16 +515,35 @@ def _worker_count(cfg: Config) -> int:
 def _keep_restart_only(old: Config, new: Config) -> Config:
     """What a running service cannot change -- the segment and its sizes, the listening
     addresses -- is carried over from ``old``, with a warning naming it."""
-    server = dataclasses.replace(new.server, segment=old.server.segment, listen=old.server.listen)
+    server = dataclasses.replace(
+        new.server,
+        segment=old.server.segment,
+        listen=old.server.listen,
+        admin_listen=old.server.admin_listen,
+    )
     fleet = dataclasses.replace(new.fleet, settle_queue_size=old.fleet.settle_queue_size)
     for name, before, after in (
         ("server.segment", old.server.segment, new.server.segment),
         ("server.listen", old.server.listen, new.server.listen),
+        ("server.admin_listen", old.server.admin_listen, new.server.admin_listen),
         ("fleet.settle_queue_size", old.fleet.settle_queue_size, new.fleet.settle_queue_size),
     ):
         if before != after:
             log.warning("HUP: %s changed; it takes effect at the next restart", name)
     return dataclasses.replace(new, server=server, fleet=fleet)
+
+
+def _publish_overrides(seg: Segment, cfg: Config) -> None:
+    """The tenant overrides kept in the store, published before any worker starts, so a
+    restart serves them from the first hook (the admin process publishes them again when
+    it starts, and every change after)."""
+    try:
+        stored = readers.overrides(cfg.store.path)
+    except StoreError as e:
+        if os.path.exists(cfg.store.path):
+            log.warning("tenant overrides not read at start: %s", e)
+        return
+    overrides.publish(seg.blob("overrides"), stored)
 
 
 def _kill(pid: int, sig: int) -> None:

@@ -1,0 +1,144 @@
+"""The admin process: the admin API on its own socket, one uvloop loop, one slot.
+
+A child of the supervisor like a worker: it builds everything after the fork (the store's
+reader and control handles, the fleet store connection for bucket resets, the HTTP
+server), publishes the stored tenant overrides, says it serves, and heartbeats from its
+loop so the supervisor can tell a stuck loop from a busy one. It runs retention too, being
+the one process that writes besides the workers. SIGTERM: stop accepting, let requests in
+flight finish (a long-poll is answered at once); SIGINT/SIGQUIT: the same without waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from collections.abc import Callable
+
+import uvloop
+
+from ankusa_shm import config, overrides
+from ankusa_shm.admin.app import App
+from ankusa_shm.admin.consumer_api import CommitWatch, ConsumerApi
+from ankusa_shm.admin.stores import StoreCalls
+from ankusa_shm.child import BootError, Life, settle_heap
+from ankusa_shm.config import Config
+from ankusa_shm.credentials import MissingSecret, read_secret
+from ankusa_shm.fleet.admission import Fleet
+from ankusa_shm.fleet.redis_store import RedisStore
+from ankusa_shm.http.protocol import HttpServer, Limits
+from ankusa_shm.shm.commits import CommitWord
+from ankusa_shm.shm.procs import ProcessSlot
+from ankusa_shm.shm.segment import Segment
+from ankusa_shm.store.schema import StoreError
+from ankusa_shm.store.writer import wall_ms
+
+log = logging.getLogger("ankusa_shm.admin")
+
+RETAIN_BATCH = 500
+RETAIN_PAUSE_S = 0.01  # between two batches: the writers' turn on the lock
+
+
+def main(
+    cfg: Config, seg: Segment, slot: ProcessSlot, sock: socket.socket, ready: Callable[[], None]
+) -> int:
+    """The admin process's life, from the supervisor's fork to its exit status."""
+    try:
+        token = _token(cfg)
+    except MissingSecret as e:
+        raise BootError(f"admin token: {e}") from None
+    try:
+        password = read_secret(cfg.fleet.password_env, cfg.fleet.password_file)
+    except MissingSecret as e:
+        raise BootError(str(e)) from None
+    status: int = uvloop.run(_serve(cfg, seg, slot, sock, ready, token, password))
+    return status
+
+
+def _token(cfg: Config) -> bytes | None:
+    """The bearer token, or None when the config names none (a loopback listener: the
+    config refuses any other address without one)."""
+    s = cfg.server
+    if not (s.admin_token_env or s.admin_token_file):
+        return None
+    token = read_secret(s.admin_token_env, s.admin_token_file)
+    if not token:
+        raise MissingSecret("it is empty")
+    return token.encode()
+
+
+async def _serve(
+    cfg: Config,
+    seg: Segment,
+    slot: ProcessSlot,
+    sock: socket.socket,
+    ready: Callable[[], None],
+    token: bytes | None,
+    password: str,
+) -> int:
+    loop = asyncio.get_running_loop()
+    redis = RedisStore.from_config(cfg.fleet, password) if cfg.fleet_kinds else None
+    fleet = Fleet(cfg, seg, slot, redis)  # for resetting buckets, and the breaker's state
+    store = StoreCalls(cfg.store)
+    await _publish_stored(store, seg)
+    watch = CommitWatch(CommitWord(seg.view, seg.layout))
+    app = App(cfg, seg, fleet, store, ConsumerApi(store, watch), token)
+    server = HttpServer(app, Limits.of(cfg.server))
+    await server.start([sock])
+
+    life = Life(slot)
+    life.start()
+    keep_ms = cfg.store.retention_ms
+    retention = None
+    if keep_ms is not None:
+        retention = loop.create_task(_retention(store, cfg.store, keep_ms))
+    settle_heap()
+    ready()
+    graceful = await life.stopped()
+    if retention is not None:
+        retention.cancel()
+    watch.close()
+    await server.stop(graceful, cfg.server.graceful_timeout_s)
+    await fleet.close()
+    await store.close()
+    return 0
+
+
+async def _publish_stored(store: StoreCalls, seg: Segment) -> None:
+    """The stored overrides, published again: the supervisor did before forking, but an
+    admin that died between storing a change and publishing it left the two apart. Best
+    effort: the file may not exist yet."""
+    try:
+        stored = await store.read(lambda r: r.overrides())
+    except StoreError as e:
+        if os.path.exists(store.path):
+            log.warning("tenant overrides not published at start: %s", e)
+        return
+    overrides.publish(seg.blob("overrides"), stored)
+
+
+async def _retention(store: StoreCalls, cfg: config.Store, keep_ms: int) -> None:
+    """Every ``retention_interval_s``: delete what is older than ``retention`` and acked
+    by every named consumer."""
+    while True:
+        try:
+            gone = await retain(store, wall_ms() - keep_ms)
+        except StoreError as e:
+            log.warning("retention: %s", e)
+        else:
+            if gone:
+                log.info("retention deleted %d hooks older than %s", gone, cfg.retention)
+        await asyncio.sleep(cfg.retention_interval_s)
+
+
+async def retain(store: StoreCalls, cutoff_ms: int) -> int:
+    """One retention run, in small transactions with a pause between them, so a
+    worker's batch never waits long behind a delete; returns how many hooks went."""
+    gone = 0
+    while True:
+        n = await store.write(lambda c: c.retain(cutoff_ms, RETAIN_BATCH))
+        gone += n
+        if n < RETAIN_BATCH:
+            return gone
+        await asyncio.sleep(RETAIN_PAUSE_S)

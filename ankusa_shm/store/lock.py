@@ -1,0 +1,89 @@
+"""The writers' turn-taking lock: ``flock`` on ``<db>.lock``.
+
+Every process that writes the store -- the request workers' writers and the admin
+process's ``Control`` -- takes it from BEGIN IMMEDIATE to COMMIT. A waiter is woken the
+moment the holder lets go, which SQLite's sleeping busy handler cannot do, and a holder
+that dies lets go by dying.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+import time
+from pathlib import Path
+
+_POLL_S = 0.005
+
+
+class WriteLock:
+    """``flock`` on one store's lock file (``schema.lock_path``), held by one process."""
+
+    def __init__(self, path: Path) -> None:
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._mutex = threading.Lock()  # the rest is for wait_within
+        self._got = threading.Event()
+        self._taker = False  # a thread is in a blocking flock on _fd
+        self._wanted = False  # a caller of wait_within still waits for it
+        self._closed = False
+
+    def acquire(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def acquire_within(self, timeout_s: float) -> bool:
+        """Poll for the lock; only at boot, where a stuck holder must not hang us."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(_POLL_S)
+
+    def wait_within(self, timeout_s: float) -> bool:
+        """Wait in line for the lock, as ``acquire`` does, for ``timeout_s`` at most.
+
+        For a process that writes now and then while the writers are busy: writers hand
+        the lock straight on to each other, so a poll like ``acquire_within`` seldom finds
+        it free and would give up under load. A thread waits in ``flock`` instead; given
+        up on, it lets go of the lock as soon as it gets it, unless the next call wants it
+        by then. One caller at a time."""
+        with self._mutex:
+            if not self._taker:
+                try:
+                    fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return True
+                except BlockingIOError:
+                    self._taker = True
+                    threading.Thread(target=self._take, name="store-lock", daemon=True).start()
+            self._wanted = True
+        got = self._got.wait(timeout_s)
+        with self._mutex:
+            got = self._got.is_set()  # it may have come after the wait ended
+            self._got.clear()
+            self._wanted = False
+        return got
+
+    def _take(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        with self._mutex:  # so no other call can see the lock as ours in between
+            self._taker = False
+            if self._closed:  # close() left the descriptor to us
+                os.close(self._fd)
+            elif self._wanted:
+                self._got.set()
+            else:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def release(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        with self._mutex:
+            self._closed = True
+            if self._taker:  # closing under its flock would let it lock a reused number
+                return
+        os.close(self._fd)

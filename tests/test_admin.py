@@ -1,0 +1,500 @@
+"""The admin API of a real ``ankusa-shm serve`` in a subprocess, over real HTTP: metrics
+from the segment, health and readiness, tenant overrides that every worker applies and a
+restart keeps, the consumer API with its long-poll, retention, and the bearer token."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from load_client import GITHUB_SOURCE, SECRET, signed
+from prometheus_client.openmetrics import parser as om_parser
+from prometheus_client.parser import text_string_to_metric_families
+from redis_server import free_port
+from service import Service
+
+from ankusa_shm.shm import procs
+from ankusa_shm.shm.segment import Segment
+
+DEMO_SOURCE = """
+[[sources]]
+id = "demo"
+tenant = "demo"
+dedupe = { json_path = "id" }
+"""
+REST = "[rate_limits]\ndefault = { rate = 1000, burst = 1000 }\n" + DEMO_SOURCE + GITHUB_SOURCE
+ENV = {"GH_SECRET": SECRET}
+FAST = {"graceful_timeout_s": 2.0, "heartbeat_timeout_s": 3.0}
+
+
+@pytest.fixture
+def make(tmp_path: Path) -> Iterator[Callable[..., Service]]:
+    made: list[Service] = []
+
+    def service(rest: str = REST, **kw: Any) -> Service:
+        kw.setdefault("env", ENV)
+        kw["server"] = {**FAST, **kw.get("server", {})}
+        s = Service(tmp_path / f"svc{len(made)}", rest, **kw)
+        made.append(s)
+        return s
+
+    yield service
+    for s in made:
+        s.close()
+
+
+@pytest.fixture(scope="module")
+def svc_once(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    """One service for the tests that need no fresh one (they only read, or add a hook)."""
+    s = Service(tmp_path_factory.mktemp("once"), REST, env=ENV, server=FAST)
+    try:
+        yield s.start()
+    finally:
+        s.close()
+
+
+def admin_json(
+    svc: Service, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
+    raw = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
+    status, _, answer = svc.admin(method, path, raw, headers)
+    return status, json.loads(answer)
+
+
+def wait_until(check: Callable[[], object], timeout: float = 10.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout} s: {what}")
+
+
+def demo(svc: Service, event_id: str) -> int:
+    return svc.post("demo", json.dumps({"id": event_id}).encode()).status
+
+
+def scrape(svc: Service) -> dict[str, list[Any]]:
+    """Samples by name, as Prometheus parses them."""
+    status, headers, raw = svc.admin("GET", "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    samples: dict[str, list[Any]] = {}
+    for family in text_string_to_metric_families(raw.decode()):
+        for s in family.samples:
+            samples.setdefault(s.name, []).append(s)
+    return samples
+
+
+def requests_by(samples: dict[str, list[Any]]) -> dict[tuple[str, str], float]:
+    return {
+        (s.labels["source"], s.labels["status"]): s.value
+        for s in samples["ankusa_http_requests_total"]
+        if s.value
+    }
+
+
+def answered(samples: dict[str, list[Any]]) -> float:
+    (count,) = samples["ankusa_request_duration_seconds_count"]
+    return float(count.value)
+
+
+# -- metrics ---------------------------------------------------------------------------
+
+
+def test_metrics_count_every_answer_by_source_and_status(make: Callable[..., Service]) -> None:
+    svc = make().start()
+    sent: dict[tuple[str, str], int] = {}
+
+    def tally(source: str, status: int) -> None:
+        sent[(source, str(status))] = sent.get((source, str(status)), 0) + 1
+
+    for i in range(6):
+        tally("demo", demo(svc, f"evt-{i}"))
+    for i in range(3):
+        tally("demo", demo(svc, f"evt-{i}"))  # duplicates: 201 too
+    for _ in range(4):
+        body = b'{"forged":true}'
+        tally("github", svc.post("github", body, signed(body, secret="wrong")).status)
+    for _ in range(2):
+        tally("", svc.post("nosuch", b"{}").status)
+    body = b'{"ref":"main"}'
+    tally("github", svc.post("github", body, signed(body)).status)
+    assert sent == {("demo", "201"): 9, ("github", "401"): 4, ("", "404"): 2, ("github", "201"): 1}
+    total = sum(sent.values())
+
+    # A worker counts an answer just after writing it: give the last one a moment.
+    wait_until(lambda: answered(scrape(svc)) >= total, 3.0, "every answer observed")
+    samples = scrape(svc)
+    assert requests_by(samples) == {k: float(n) for k, n in sent.items()}
+    assert answered(samples) == total
+
+    status, headers, raw = svc.admin(
+        "GET", "/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"}
+    )
+    assert status == 200
+    assert headers["content-type"].startswith("application/openmetrics-text")
+    assert raw.endswith(b"# EOF\n")
+    parsed = om_parser.text_string_to_metric_families(raw.decode())  # type: ignore[no-untyped-call]
+    families = {f.name: f for f in parsed}
+    om = {
+        (s.labels["source"], s.labels["status"]): s.value
+        for s in families["ankusa_http_requests"].samples
+        if s.value
+    }
+    assert om == {k: float(n) for k, n in sent.items()}
+
+
+def test_a_sigkilled_workers_observations_are_kept(make: Callable[..., Service]) -> None:
+    svc = make().start()
+    n = 20
+    assert [demo(svc, f"k-{i}") for i in range(n)] == [201] * n
+    with Segment.attach(svc.segment, readonly=True) as seg:
+        busy = [
+            p for p in procs.read(seg.view, seg.layout) if p.role == "worker" and p.requests > 0
+        ]
+    victim = busy[0].pid
+    os.kill(victim, signal.SIGKILL)
+    wait_until(
+        lambda: len(svc.pids("worker")) == 2 and victim not in svc.pids("worker"),
+        what="the killed worker replaced",
+    )
+    samples = scrape(svc)
+    assert requests_by(samples)[("demo", "201")] >= n
+    assert answered(samples) >= n
+
+
+# -- health and readiness ----------------------------------------------------------------
+
+
+def test_healthz_is_ok_while_the_supervisor_lives(make: Callable[..., Service]) -> None:
+    svc = make().start()
+    assert admin_json(svc, "GET", "/healthz") == (200, {"status": "ok"})
+    status, headers, _ = svc.admin("POST", "/healthz")
+    assert (status, headers["allow"]) == (405, "GET")
+    assert admin_json(svc, "GET", "/nowhere") == (404, {"error": "not_found"})
+
+
+def _chattr(flag: str, files: list[Path]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["chattr", flag, *map(str, files)], capture_output=True, text=True)
+
+
+def test_readyz_fails_while_the_store_cannot_commit(make: Callable[..., Service]) -> None:
+    svc = make().start()
+    status, ready = admin_json(svc, "GET", "/readyz")
+    assert status == 200, ready
+    assert ready["ready"] is True
+    assert ready["checks"]["workers"] == {"ok": True, "serving": 2, "stale": []}
+    assert ready["checks"]["store"] == {"ok": True}
+    assert "fleet" not in ready["checks"]  # node scope: no fleet check at all
+
+    if shutil.which("chattr") is None:
+        pytest.skip("chattr is not installed (e2fsprogs)")
+    # The db and -wal files only: the -shm file is mapped, and an immutable one is SIGBUS.
+    files = [svc.store_path, Path(f"{svc.store_path}-wal")]
+    assert all(f.exists() for f in files)
+    try:
+        made = _chattr("+i", files)
+        if made.returncode != 0:
+            pytest.skip(f"chattr +i is not permitted here: {made.stderr.strip()}")
+        wait_until(lambda: admin_json(svc, "GET", "/readyz")[0] == 503, 3.0, "readyz 503")
+        status, ready = admin_json(svc, "GET", "/readyz")
+        assert status == 503 and ready["ready"] is False
+        assert ready["checks"]["store"]["ok"] is False
+        assert ready["checks"]["store"]["error"].startswith(f"{svc.store_path}: probe: ")
+        assert ready["checks"]["workers"]["ok"] is True
+    finally:
+        _chattr("-i", files)
+    wait_until(lambda: admin_json(svc, "GET", "/readyz")[0] == 200, 3.0, "readyz 200 again")
+
+
+# -- tenant rate limits ------------------------------------------------------------------
+
+
+def burst_from_fresh_connections(svc: Service, n: int) -> list[int]:
+    """``n`` new demo events, each on its own connection (the kernel spreads new
+    connections over the workers' lanes)."""
+    return [demo(svc, uuid.uuid4().hex) for _ in range(n)]
+
+
+def worker_requests(svc: Service) -> dict[int, int]:
+    with Segment.attach(svc.segment, readonly=True) as seg:
+        return {
+            p.pid: p.requests
+            for p in procs.read(seg.view, seg.layout)
+            if p.role == "worker" and p.alive
+        }
+
+
+def test_an_override_reaches_every_worker_and_outlives_a_restart(
+    make: Callable[..., Service],
+) -> None:
+    svc = make().start()
+    path = "/v1/tenants/demo/rate-limit"
+    assert admin_json(svc, "GET", path) == (
+        200,
+        {"tenant": "demo", "rate": 1000, "burst": 1000, "source": "default"},
+    )
+    # One hook per 10 s: however slowly this machine sends, no refill within the test.
+    put = admin_json(svc, "PUT", path, {"rate": 0.1, "burst": 2})
+    assert put == (200, {"tenant": "demo", "rate": 0.1, "burst": 2, "source": "override"})
+
+    time.sleep(1.0)  # the promise: every worker applies it within a second
+    before = worker_requests(svc)
+    statuses = burst_from_fresh_connections(svc, 16)
+    after = worker_requests(svc)
+    assert len(after) == 2 and all(after[p] > before.get(p, 0) for p in after), (before, after)
+    # One bucket per host, and both workers hold it to a burst of 2: a worker
+    # still on the old limit (burst 1000) would have admitted more than two.
+    assert statuses.count(201) == 2 and statuses.count(429) == 14, statuses
+
+    svc.stop()
+    svc.start()
+    assert admin_json(svc, "GET", path) == (
+        200,
+        {"tenant": "demo", "rate": 0.1, "burst": 2, "source": "override"},
+    )
+    statuses = burst_from_fresh_connections(svc, 6)
+    assert statuses.count(201) <= 2 and statuses.count(429) >= 4, statuses
+
+    assert admin_json(svc, "DELETE", path) == (
+        200,
+        {"tenant": "demo", "rate": 1000, "burst": 1000, "source": "default"},
+    )
+    assert admin_json(svc, "DELETE", path) == (404, {"error": "no_override"})
+    time.sleep(0.6)  # the workers poll the published set four times a second
+    assert burst_from_fresh_connections(svc, 6) == [201] * 6
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"rate": 0, "burst": 2}, "rate"),
+        ({"rate": "1", "burst": 2}, "rate"),
+        ({"rate": 1, "burst": "x"}, "burst"),
+        ({"rate": 1, "burst": 0}, "burst"),
+        ({"rate": 1e-12, "burst": 1}, "rate"),  # one interval beyond the GCRA's span
+        ({"rate": 1, "burst": 2, "extra": 1}, "extra"),
+        ({"rate": 1}, "burst"),
+    ],
+)
+def test_a_bad_override_is_refused_naming_its_field(
+    svc_once: Service, body: dict[str, Any], field: str
+) -> None:
+    status, answer = admin_json(svc_once, "PUT", "/v1/tenants/demo/rate-limit", body)
+    assert status == 400 and answer["error"] == "invalid_override"
+    assert answer["field"] == field and answer["detail"]
+    assert admin_json(svc_once, "GET", "/v1/tenants/demo/rate-limit")[1]["source"] == "default"
+
+
+def test_override_requests_that_are_not_json_or_name_no_tenant(svc_once: Service) -> None:
+    path = "/v1/tenants/demo/rate-limit"
+    for raw in (b"not json", b"[1, 2]", b"\xff"):
+        assert admin_json(svc_once, "PUT", path, raw) == (400, {"error": "invalid_json"})
+    for method in ("GET", "PUT", "DELETE"):
+        answer = admin_json(svc_once, method, "/v1/tenants/nobody/rate-limit", b"{}")
+        assert answer == (404, {"error": "unknown_tenant"})
+    # acme is github's tenant and has no entry of its own in rate_limits: the default
+    assert admin_json(svc_once, "GET", "/v1/tenants/acme/rate-limit")[1]["source"] == "default"
+
+
+# -- the consumer API --------------------------------------------------------------------
+
+
+def page_all(svc: Service, query: str, limit: int) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    cursor = None
+    while True:
+        after = "" if cursor is None else f"&after={cursor}"
+        status, page = admin_json(svc, "GET", f"/v1/hooks?limit={limit}{query}{after}")
+        assert status == 200, page
+        assert len(page["hooks"]) <= limit
+        if not page["hooks"]:
+            assert cursor is None or page["cursor"] == cursor
+            return out
+        assert page["cursor"] == page["hooks"][-1]["seq"]
+        out += page["hooks"]
+        cursor = page["cursor"]
+
+
+def test_consumers_page_ack_resume_after_a_restart_and_long_poll(
+    make: Callable[..., Service],
+) -> None:
+    svc = make().start()
+    m = 13
+    ids = []
+    for i in range(m):
+        answer = svc.post("demo", json.dumps({"id": f"c-{i}", "n": i}).encode())
+        assert answer.status == 201
+        ids.append(answer.body["id"])
+
+    hooks = page_all(svc, "", limit=4)
+    assert [h["id"] for h in hooks] == ids  # each once, in commit order
+    seqs = [h["seq"] for h in hooks]
+    assert seqs == sorted(set(seqs))
+    first = hooks[0]
+    assert (first["source"], first["tenant"], first["event_key"]) == ("demo", "demo", "c-0")
+    assert json.loads(first["body"]) == {"id": "c-0", "n": 0}
+    assert isinstance(first["received_ms"], int)
+    assert admin_json(svc, "GET", f"/v1/hooks/{ids[3]}") == (200, hooks[3])
+    assert admin_json(svc, "GET", f"/v1/hooks/{uuid.uuid4()}") == (404, {"error": "not_found"})
+    assert [h["id"] for h in page_all(svc, "&source=github", 4)] == []
+
+    acked = seqs[6]
+    ack = admin_json(svc, "POST", "/v1/consumers/c1/ack", {"cursor": acked})
+    assert ack == (200, {"consumer": "c1", "cursor": acked})
+    status, bad = admin_json(svc, "POST", "/v1/consumers/c1/ack", {"cursor": seqs[-1] + 1})
+    assert status == 400 and bad["field"] == "cursor"
+    for body in ({"cursor": "7"}, {"cursor": -1}, {"cursor": True}, {"at": 1}):
+        assert admin_json(svc, "POST", "/v1/consumers/c1/ack", body)[0] == 400
+    assert admin_json(svc, "POST", "/v1/consumers/c1/ack", b"nope")[0] == 400
+    assert admin_json(svc, "POST", "/v1/consumers/bad%20name/ack", {"cursor": 1})[0] == 400
+    assert admin_json(svc, "GET", "/v1/consumers/c2")[0] == 404
+
+    svc.stop()
+    svc.start()
+    assert admin_json(svc, "GET", "/v1/consumers/c1") == (200, {"consumer": "c1", "cursor": acked})
+    status, page = admin_json(svc, "GET", "/v1/hooks?consumer=c1")
+    assert status == 200 and [h["id"] for h in page["hooks"]] == ids[7:]
+    status, page = admin_json(svc, "GET", "/v1/hooks?consumer=c2&limit=2")
+    assert [h["id"] for h in page["hooks"]] == ids[:2]  # never acked: from the start
+
+    # Caught up, a consumer long-polls; a new commit answers it at once.
+    got: dict[str, Any] = {}
+
+    def poll(after: int, wait: int) -> None:
+        t0 = time.monotonic()
+        got["answer"] = admin_json(svc, "GET", f"/v1/hooks?after={after}&wait={wait}")
+        got["at"], got["waited"] = time.monotonic(), time.monotonic() - t0
+
+    waiter = threading.Thread(target=poll, args=(seqs[-1], 5))
+    waiter.start()
+    time.sleep(0.5)
+    assert "answer" not in got  # nothing new: it waits
+    answer = svc.post("demo", b'{"id":"late"}')
+    committed_at = time.monotonic()
+    assert answer.status == 201
+    waiter.join(6)
+    status, page = got["answer"]
+    assert status == 200 and [h["id"] for h in page["hooks"]] == [answer.body["id"]]
+    latency = got["at"] - committed_at
+    print(f"long-poll answered {latency * 1000:.1f} ms after the 201")
+    assert got["waited"] >= 0.5 and latency <= 0.5
+
+    t0 = time.monotonic()
+    status, page = admin_json(svc, "GET", f"/v1/hooks?after={page['cursor']}&wait=0.3")
+    assert (status, page["hooks"]) == (200, []) and 0.3 <= time.monotonic() - t0 < 2.0
+
+    # A long-poll in flight does not hold up a graceful stop: it is answered at once.
+    got.clear()
+    waiter = threading.Thread(target=poll, args=(page["cursor"], 30))
+    waiter.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    assert svc.stop() == 0
+    waiter.join(5)
+    assert time.monotonic() - t0 < 1.5
+    assert got["answer"] == (200, {"hooks": [], "cursor": page["cursor"]})
+
+
+@pytest.mark.parametrize(
+    ("query", "field"),
+    [
+        ("after=x", "after"),
+        ("after=-1", "after"),
+        ("limit=0", "limit"),
+        ("limit=1001", "limit"),
+        ("wait=61", "wait"),
+        ("wait=soon", "wait"),
+        ("consumer=no%20spaces", "consumer"),
+        ("after=1&after=2", "after"),
+        ("cursor=3", "cursor"),
+    ],
+)
+def test_bad_hooks_queries_name_the_field(svc_once: Service, query: str, field: str) -> None:
+    status, answer = admin_json(svc_once, "GET", f"/v1/hooks?{query}")
+    assert status == 400 and (answer["error"], answer["field"]) == ("invalid_query", field)
+
+
+def test_a_binary_body_is_base64(svc_once: Service) -> None:
+    answer = svc_once.post("demo", b"\xff\xfe not json")
+    assert answer.status == 201
+    status, hook = admin_json(svc_once, "GET", f"/v1/hooks/{answer.body['id']}")
+    assert status == 200 and "body" not in hook
+    assert hook["body_base64"] == "//4gbm90IGpzb24="
+    assert hook["event_key"] is None and "event_key_base64" not in hook
+
+
+# -- retention ---------------------------------------------------------------------------
+
+
+def test_retention_deletes_only_what_every_consumer_acked(make: Callable[..., Service]) -> None:
+    svc = make(store={"retention": "1s", "retention_interval_s": 1}).start()
+    ids = [svc.post("demo", json.dumps({"id": f"r-{i}"}).encode()).body["id"] for i in range(10)]
+    hooks = page_all(svc, "", 100)
+    assert [h["id"] for h in hooks] == ids
+    assert admin_json(svc, "POST", "/v1/consumers/c1/ack", {"cursor": hooks[4]["seq"]})[0] == 200
+
+    def left() -> list[str]:
+        return [h["id"] for h in page_all(svc, "", 100)]
+
+    wait_until(lambda: len(left()) < 10, 6.0, "acked, old hooks deleted")
+    time.sleep(2.5)  # two more runs: what was not acked stays, old as it is
+    assert left() == ids[5:]
+    assert "retention deleted " in svc.log()
+
+
+# -- the bearer token --------------------------------------------------------------------
+
+
+def test_a_public_admin_address_needs_a_token(make: Callable[..., Service]) -> None:
+    svc = make(server={"admin_listen": f"0.0.0.0:{free_port()}"})
+    run = subprocess.run(
+        [sys.executable, "-m", "ankusa_shm", "serve", "--config", str(svc.config_path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=svc.dir,
+        env=svc.env,
+    )
+    assert run.returncode == 2
+    assert "server.admin_listen" in run.stderr
+
+
+def test_an_unreadable_token_stops_the_service(make: Callable[..., Service]) -> None:
+    svc = make(server={"admin_token_file": "/nonexistent/admin-token"})
+    with contextlib.suppress(AssertionError):  # it may exit before or after READY=1
+        svc.start()
+    assert svc.proc is not None and svc.proc.wait(15) == 1
+    log = svc.log()
+    assert "cannot start: admin token: cannot read secret file /nonexistent/admin-token" in log
+    assert log.count("admin ") < 10  # no respawn loop
+
+
+def test_the_token_is_required_when_configured(make: Callable[..., Service]) -> None:
+    port = free_port()
+    svc = make(
+        server={"admin_listen": f"0.0.0.0:{port}", "admin_token_env": "ADMIN_TOKEN"},
+        env={**ENV, "ADMIN_TOKEN": "t0ken-for-tests"},
+    )
+    svc.admin_port = port
+    svc.start()
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "t0ken-for-tests"}):
+        status, answer_headers, raw = svc.admin("GET", "/healthz", headers=headers)
+        assert (status, json.loads(raw)) == (401, {"error": "unauthorized"})
+        assert answer_headers["www-authenticate"] == "Bearer"
+    assert svc.admin("GET", "/nowhere")[0] == 401  # before routing: nothing is revealed
+    good = {"authorization": "Bearer t0ken-for-tests"}
+    assert admin_json(svc, "GET", "/healthz", headers=good) == (200, {"status": "ok"})
+    assert svc.admin("GET", "/metrics", headers=good)[0] == 200
