@@ -43,9 +43,10 @@ def plot(path: Path, load: Load, samples: list[Any], faults: list[Any], hosts: i
     series = _per_second(load)
     fig, axes = plt.subplots(4, 1, figsize=(11, 10), sharex=True)
     rate, lat, depth, state = axes
+    seconds = range(max(series["latency"], default=0) + 1)
     for name in [*(f"host {h}" for h in range(hosts)), "not 2xx"]:
-        points = sorted(series[name].items())
-        rate.plot([s for s, _ in points], [len(v) for _, v in points], label=name)
+        counts = series[name]
+        rate.plot(seconds, [len(counts.get(s, ())) for s in seconds], label=name)
     rate.set_ylabel("answers / s")
     rate.legend(loc="upper right", fontsize=8)
     points = sorted(series["latency"].items())

@@ -473,3 +473,34 @@ def test_retention_interval_setting() -> None:
             config.parse({"store": {"retention_interval_s": bad}}, "t.toml")
     with pytest.raises(ConfigError, match=r"store\.retention: must be a string"):
         config.parse({"store": {"retention": 7}}, "t.toml")
+
+
+def test_page_json_is_page_as_documents(tmp_path: Path) -> None:
+    """The consumer API's fast path writes the same documents ``StoredHook.doc`` does,
+    non-UTF-8 keys and bodies included."""
+    cfg = store_cfg(tmp_path)
+    hooks = [
+        NewHook(
+            id=f"hook-{i}",
+            tenant="acme",
+            source="github" if i % 2 else "stripe",
+            event_key=[None, f"evt-\u00e9{i}".encode(), b"\xff\xfe%d" % i][i % 3],
+            dedupe_ttl_s=60,
+            received_ms=1_000 + i,
+            headers=(("x-a", "b\u00e9"), ("x-n", str(i))),
+            body=[b'{"x":"\\u2603 \xe2\x98\x83"}', b"\x00\xff binary"][i % 2],
+        )
+        for i in range(12)
+    ]
+    commit_all(cfg, hooks)
+    r = readers.Reader(cfg.path)
+    try:
+        for source in (None, "github"):
+            want = r.page(0, 100, source)
+            docs, last = r.page_json(0, 100, source)
+            assert len(want) == (12 if source is None else 6)
+            assert [json.loads(d) for d in docs] == [h.doc() for h in want]
+            assert last == want[-1].seq
+        assert r.page_json(last, 100) == ([], last)
+    finally:
+        r.close()

@@ -254,7 +254,8 @@ class App:
 
 
 def _answer(r: Reply) -> Response:
-    return reply(*r)
+    status, doc = r
+    return Response(status, doc) if isinstance(doc, bytes) else reply(status, doc)
 
 
 def _parse_override(body: bytes) -> tuple[float, int] | dict[str, Any]:

@@ -32,7 +32,7 @@ NAME = re.compile(rf"^[A-Za-z0-9_.-]{{1,{MAX_NAME}}}\Z")
 _WHOLE = re.compile(r"^[0-9]{1,18}\Z")
 _SECONDS = re.compile(r"^[0-9]{1,2}(\.[0-9]{1,3})?\Z")
 
-Reply = tuple[int, dict[str, Any]]
+Reply = tuple[int, dict[str, Any] | bytes]  # bytes: a JSON document already encoded
 
 
 class BadQuery(Exception):
@@ -158,13 +158,12 @@ class ConsumerApi:
         cursor = after  # bound for the lambda: it runs on the reading thread
         while True:
             seen = self._watch.load()  # before the query: a commit after it wakes us
-            hooks = await self._store.read(lambda r: r.page(cursor, q.limit, q.source))
+            docs, last = await self._store.read(lambda r: r.page_json(cursor, q.limit, q.source))
             left = deadline - time.monotonic()
-            if hooks or left <= 0 or self._watch.closed:
+            if docs or left <= 0 or self._watch.closed:
                 break
             await self._watch.wait(seen, left)
-        last = hooks[-1].seq if hooks else after
-        return 200, {"hooks": [h.doc() for h in hooks], "cursor": last}
+        return 200, f'{{"hooks":[{",".join(docs)}],"cursor":{last}}}'.encode()
 
     async def hook(self, hook_id: str) -> Reply:
         found = await self._store.read(lambda r: r.get(hook_id))
