@@ -436,6 +436,27 @@ def ledger(
     fig["stall_p50_ms"] = round(_pct(stalled, 0.5), 2)
     fig["stall_p99_ms"] = round(_pct(stalled, 0.99), 2)
     fig["stall_max_ms"] = round(max(stalled, default=0.0), 2)
+    # Where the slow ones were: before the breaker could open (the stall's first 100 ms,
+    # each call waiting out its budget), or later (the host's own commit latency).
+    slow = [
+        a.sent_s - s
+        for a in attempts
+        for s, e in stalls
+        if a.status and s <= a.sent_s <= e and a.latency_ms > TIMEOUT_MS + 5
+    ]
+    fig["stall_slow"] = len(slow)
+    fig["stall_slow_in_first_100ms"] = sum(1 for d in slow if d <= 0.1)
+    fig["p99_outside_faults_ms"] = round(
+        _pct(
+            [
+                a.latency_ms
+                for a in attempts
+                if a.status and not any(f.start_s - 1 <= a.sent_s <= f.end_s + 2 for f in faults)
+            ],
+            0.99,
+        ),
+        2,
+    )
     fig["p99_ms"] = round(_pct([a.latency_ms for a in attempts if a.status], 0.99), 2)
 
     kills: list[dict[str, Any]] = []
@@ -580,7 +601,9 @@ def print_ledger(led: Ledger) -> None:
     print(f"  refused because of Redis: {f['refused_while_redis_degraded']}")
     print(
         f"  while Redis was stalled: {f['stall_requests']} answers, p50 {f['stall_p50_ms']} ms, "
-        f"p99 {f['stall_p99_ms']} ms, max {f['stall_max_ms']} ms (budget {TIMEOUT_MS} ms)"
+        f"p99 {f['stall_p99_ms']} ms, max {f['stall_max_ms']} ms (budget {TIMEOUT_MS} ms); "
+        f"{f['stall_slow']} over {TIMEOUT_MS + 5} ms, {f['stall_slow_in_first_100ms']} of them "
+        f"in a stall's first 100 ms; p99 away from any fault {f['p99_outside_faults_ms']} ms"
     )
     for i, s in enumerate(f["settle"]):
         print(f"  host {i} settle: {s}")

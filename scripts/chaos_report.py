@@ -157,6 +157,9 @@ the faults below. Verdict: **{verdict}**.
 | 503 store_unavailable (the full disk; retried) | {f["store_unavailable_503"]} |
 | latency while Redis was SIGSTOPped: p50 / p99 / max | \
 {f["stall_p50_ms"]} / {f["stall_p99_ms"]} / {f["stall_max_ms"]} ms |
+| of those, answers over budget + 5 ms / in a stall's first 100 ms | \
+{f["stall_slow"]} / {f["stall_slow_in_first_100ms"]} |
+| p99 latency away from every fault | {f["p99_outside_faults_ms"]} ms |
 
 ## Settle accounting, from each host's segment
 
