@@ -244,7 +244,11 @@ class Fleet:
     breaker_failure_rate: float = setting(
         0.5, "Failed share of calls that opens the breaker.", between(0.01, 1.0)
     )
-    breaker_min_calls: int = setting(20, "Calls in the window before it may open.", at_least(1))
+    breaker_min_calls: int = setting(
+        20,
+        "Calls in the window before it may open; as many failures in a row open it.",
+        at_least(1),
+    )
     breaker_window_ms: int = setting(
         10_000, "Sliding window of call outcomes.", between(1_000, 3_600_000)
     )

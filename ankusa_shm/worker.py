@@ -76,15 +76,21 @@ class Worker:
             if observer is not None:
                 observer.batch(hooks)
 
-        writer = Writer(cfg.store, on_commit=on_commit)
+        try:
+            password = read_secret(cfg.fleet.password_env, cfg.fleet.password_file)
+        except MissingSecret as e:
+            raise BootError(str(e)) from None
+        store = RedisStore.from_config(cfg.fleet, password) if cfg.fleet_kinds else None
+        fleet = Fleet(cfg, seg, self._slot, store)
+        # The writer settles each claim itself, from its thread, the moment the hook's
+        # transaction ends (``Writer``): the request path never holds a committed claim.
+        writer = Writer(cfg.store, on_commit=on_commit, settle=fleet.settle)
         try:
             writer.start(loop)
-            password = read_secret(cfg.fleet.password_env, cfg.fleet.password_file)
-            store = RedisStore.from_config(cfg.fleet, password) if cfg.fleet_kinds else None
-            fleet = Fleet(cfg, seg, self._slot, store)
             path = RequestPath(cfg, fleet, writer, self._slot.counters, observer)
-        except (StoreError, MissingSecret) as e:
+        except (StoreError, MissingSecret) as e:  # a store it cannot open, a secret it lacks
             await writer.close()
+            await fleet.close()
             raise BootError(str(e)) from None
         fleet.set_overrides(overrides.read(seg.blob("overrides")))
         follow = loop.create_task(overrides.follow(seg.blob("overrides"), fleet.set_overrides))

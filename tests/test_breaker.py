@@ -95,9 +95,11 @@ def test_does_not_open_below_the_rate(seg: Segment) -> None:
     assert b.state() == State.CLOSED
     for _ in range(50):
         b.record(True, T0)
-    for _ in range(29):
-        b.record(False, T0)  # 89 calls, 33 failed: still below half
-    assert b.window(T0) == (89, 33)
+    for i in range(29):
+        b.record(False, T0)
+        if i % 9 == 8:
+            b.record(True, T0)  # so that no run of failures reaches min_calls
+    assert b.window(T0) == (92, 33)  # still below half
     assert b.state() == State.CLOSED
     assert _transitions(seg) == (0, 0, 0)
 
@@ -112,6 +114,23 @@ def test_failures_outside_the_window_do_not_count(seg: Segment) -> None:
     b.record(False, later)
     assert b.window(later) == (1, 1)
     assert b.state() == State.CLOSED
+
+
+def test_min_calls_failures_in_a_row_open_whatever_the_window_holds(seg: Segment) -> None:
+    """Redis stops while the window is full of successes: a run of min_calls failures
+    opens at once instead of after half a window; a success in between resets the run."""
+    b, _ = _breaker(seg)
+    for _ in range(1_000):
+        b.record(True, T0)
+    for _ in range(POLICY.min_calls - 1):
+        b.record(False, T0 + 1)
+    b.record(True, T0 + 1)
+    for _ in range(POLICY.min_calls - 1):
+        b.record(False, T0 + 2)
+    assert b.state() == State.CLOSED  # two runs of min_calls - 1, not one of min_calls
+    b.record(False, T0 + 2)
+    assert b.state() == State.OPEN
+    assert _transitions(seg) == (1, 0, 0)
 
 
 def test_failures_inside_the_window_count(seg: Segment) -> None:

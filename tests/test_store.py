@@ -18,6 +18,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -769,3 +770,50 @@ def test_a_bad_hook_fails_its_batch_not_the_writer(tmp_path: Path) -> None:
 
     assert run(body) == [UNAVAILABLE, Committed(good.id)]
     assert readers.ids(cfg.path) == {good.id}
+
+
+def test_every_claim_is_settled_once_from_the_writer_thread(tmp_path: Path) -> None:
+    """Committed, already stored, given up on while the lock was held, refused after close:
+    each hook's claim is settled exactly once with the answer its caller got, a committed
+    one from the writer's thread, right after its transaction."""
+    cfg = store_cfg(tmp_path, lock_timeout_ms=300)
+    settled: list[tuple[object, CommitResult, str]] = []
+
+    def settle(claim: object, result: CommitResult) -> None:
+        settled.append((claim, result, threading.current_thread().name))
+
+    first, again, waiting, late = hook(b"k"), hook(b"k"), hook(), hook()
+
+    async def body() -> list[CommitResult]:
+        w = Writer(cfg, settle=settle)
+        w.start(asyncio.get_running_loop())
+        answers = [await w.commit(first, "c-first")]
+        answers.append(await w.commit(again, "c-again"))
+        answers.append(await w.commit(hook(), None))  # no claim: nothing to settle
+        with Child("hold-flock", cfg.path) as child:
+            assert child.line() == "held"
+            answers.append(await w.commit(waiting, "c-waiting"))
+            child.send("release")
+            assert child.wait() == 0
+        await w.close()
+        answers.append(await w.commit(late, "c-late"))
+        return answers
+
+    answers = run(body)
+    assert answers == [
+        Committed(first.id),
+        AlreadyStored(first.id),
+        Committed(answers[2].hook_id),  # type: ignore[union-attr]
+        UNAVAILABLE,
+        UNAVAILABLE,
+    ]
+    by_claim = {c: r for c, r, _ in settled}
+    assert [c for c, _, _ in settled] == ["c-first", "c-again", "c-waiting", "c-late"]
+    assert by_claim == {
+        "c-first": Committed(first.id),
+        "c-again": AlreadyStored(first.id),
+        "c-waiting": UNAVAILABLE,
+        "c-late": UNAVAILABLE,
+    }
+    threads = {c: t for c, _, t in settled}
+    assert threads["c-first"] == threads["c-again"] == "ankusa-store-writer"

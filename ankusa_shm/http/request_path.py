@@ -2,7 +2,9 @@
 
 Route, verify, derive the event key, admit, commit, settle, answer -- in that order, so a
 forgery costs the tenant nothing and a hook is answered 201 only once it is durable. The
-settle step is a push onto the shared-memory queue, never a wait on Redis.
+settle step -- a push onto the shared-memory queue, never a wait on Redis -- is made by the
+store's writer thread the moment the hook's transaction ends, so a worker killed after a
+commit has not left its claim pending.
 """
 
 from __future__ import annotations
@@ -134,10 +136,9 @@ class RequestPath:
             body=req.body,
         )
         began = time.monotonic_ns()
-        result: CommitResult = await self._writer.commit(hook)
+        result: CommitResult = await self._writer.commit(hook, verdict.claim)  # and settles it
         if self._observer is not None:
             self._observer.committed(time.monotonic_ns() - began)
-        self._fleet.settle(verdict.claim, result)
         if isinstance(result, Committed):
             return accepted(result.hook_id)
         if isinstance(result, AlreadyStored):

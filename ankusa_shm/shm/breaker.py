@@ -2,7 +2,11 @@
 
 closed   calls are made; each outcome lands in a 32-bucket sliding window. When at least
          ``min_calls`` calls fell in the last ``window_ms`` and the failed share reached
-         ``failure_rate``, the first process to notice swaps the state word to open.
+         ``failure_rate`` -- or ``min_calls`` calls in a row failed, whatever the window
+         holds -- the first process to notice swaps the state word to open. The run
+         matters when Redis stops: a window full of the last seconds' successes would
+         keep it closed for about half a window, and meanwhile every reconnect makes its
+         callers wait out their budget.
 open     no calls at all for ``open_ms``; then exactly one process wins the swap to
          probing and makes the probe call.
 probing  everyone else stays node-local. The probe's success closes the breaker and
@@ -103,6 +107,7 @@ class Breaker:
         self._view = view
         self._state = lay.offset("breaker") + L.BR_STATE
         self._recheck = lay.offset("breaker") + L.BR_RECHECK_UNTIL_MS
+        self._run = lay.offset("breaker") + L.BR_FAILURE_RUN
         self._buckets = lay.offset("breaker") + L.BR_BUCKETS
         self._policy = policy
         self._width = max(1, -(-policy.window_ms // L.BREAKER_BUCKETS))
@@ -140,17 +145,23 @@ class Breaker:
     def record(self, ok: bool, now_ms: int) -> None:
         """An ordinary (non-probe) call's outcome: it may open the breaker."""
         self._bump(now_ms, failed=not ok)
+        p = self._policy
         if ok:
+            if self._view.load(self._run):  # a load, not a store, on the hot path
+                self._view.store(self._run, 0)
             until = self._view.load(self._recheck)
             if now_ms >= until:
                 return
         else:
             until = 0
+            run = self._failed_in_a_row(now_ms)
         w = self._view.load(self._state)
         if w >> L.BR_STATE_SHIFT != State.CLOSED:
             return
+        if not ok and run >= p.min_calls:
+            self._swap(w, State.OPEN, now_ms)
+            return
         calls, failures = self.window(now_ms)
-        p = self._policy
         if calls >= p.min_calls:
             if failures >= p.failure_rate * calls:
                 self._swap(w, State.OPEN, now_ms)
@@ -158,6 +169,19 @@ class Breaker:
                 self._view.cas(self._recheck, until, 0)  # from here successes only dilute
         elif not ok and failures >= p.failure_rate * p.min_calls:
             self._view.store(self._recheck, now_ms + p.window_ms)
+
+    def _failed_in_a_row(self, now_ms: int) -> int:
+        """Count one more failure in the current run; how long the run is now. The run
+        word packs the time of its last failure with its length, so a run whose last
+        failure left the window starts again (nine failures an hour ago and one now are
+        not ten in a row)."""
+        v, p = self._view, self._policy
+        while True:
+            w = v.load(self._run)
+            last, n = w >> 16, w & 0xFFFF
+            n = min(n + 1, 0xFFFF) if w and now_ms - last < p.window_ms else 1
+            if v.cas(self._run, w, (now_ms & L.BR_SINCE_MASK) << 16 | n):
+                return n
 
     def finish_probe(self, permit: Permit, ok: bool, now_ms: int) -> bool:
         """The probe's outcome: close (and forget the window) or open again. A probe that
@@ -184,6 +208,7 @@ class Breaker:
         for i in range(L.BREAKER_BUCKETS):
             self._view.store(self._buckets + i * L.WORD, 0)
         self._view.store(self._recheck, 0)
+        self._view.store(self._run, 0)
 
     def _bump(self, now_ms: int, failed: bool) -> None:
         epoch_full = now_ms // self._width

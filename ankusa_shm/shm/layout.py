@@ -135,6 +135,9 @@ BR_STATE = 0
 # Monotonic ms until which a success re-checks the failure rate (0: it need not): set when
 # a failure finds too few calls to judge but failures enough that more calls could open.
 BR_RECHECK_UNTIL_MS = 8
+# Calls failed in a row, by any process: monotonic ms of the last one (39 bits) << 16 |
+# how many (16 bits). A success zeroes it.
+BR_FAILURE_RUN = 16
 BR_BUCKETS = LINE  # BREAKER_BUCKETS words
 # State word: state (2 bits) | owner pid (22 bits) | since, monotonic ms (39 bits).
 BR_STATE_SHIFT = 61

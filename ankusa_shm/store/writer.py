@@ -184,6 +184,12 @@ class _Item:
     hook: NewHook
     future: asyncio.Future[CommitResult]
     submitted_ns: int  # monotonic
+    claim: object  # what the caller's ``settle`` is told the outcome of; None: nothing
+
+
+Settle = Callable[[Any, CommitResult], None]
+"""Told, for each hook committed with a claim, what became of it -- from the writer's
+thread, right after its transaction, before anyone is answered (never raises)."""
 
 
 Answers = list[tuple[asyncio.Future[Any], Any]]
@@ -210,14 +216,20 @@ class Writer:
         cfg: config.Store,
         wall: WallClock = wall_ms,
         on_commit: Callable[[int], None] | None = None,
+        settle: Settle | None = None,
     ) -> None:
         """``on_commit`` is called from the writer thread after each transaction that
-        committed hooks, with how many it held (for metrics and long-polls)."""
+        committed hooks, with how many it held (for metrics and long-polls). ``settle``
+        hears the outcome of every hook committed with a claim, whatever it was, once:
+        from the thread, the instant its transaction ended, so a process killed after a
+        commit has almost never left a claim unsettled (the window is the few
+        microseconds between COMMIT and the queue push, not the event loop's turn)."""
         self.cfg = cfg
         self.path = Path(cfg.path)
         self.stats = WriterStats()
         self._wall = wall
         self._on_commit = on_commit
+        self._settle_claim = settle
         self._timeout_ns = cfg.lock_timeout_ms * 1_000_000
         self._wait_ns = cfg.commit_wait_ms * 1_000_000
         self._max_batch = cfg.max_batch
@@ -265,17 +277,18 @@ class Writer:
             self._thread.join()
             raise failure[0]
 
-    async def commit(self, hook: NewHook) -> CommitResult:
-        """Store ``hook`` with the next batch. Never raises for the store's sake: a store
-        that cannot take it answers ``NotStored("store_unavailable")``."""
+    async def commit(self, hook: NewHook, claim: object = None) -> CommitResult:
+        """Store ``hook`` with the next batch, and settle ``claim`` with the outcome.
+        Never raises for the store's sake: a store that cannot take it answers
+        ``NotStored("store_unavailable")``."""
         loop = self._loop
         if loop is None:
-            return UNAVAILABLE
+            return self._answered(claim, UNAVAILABLE)
         future: asyncio.Future[CommitResult] = loop.create_future()
         with self._mutex:
             if not self._accepting:  # checked under the mutex: a dying thread drains under it
-                return UNAVAILABLE
-            self._queue.append(_Item(hook, future, time.monotonic_ns()))
+                return self._answered(claim, UNAVAILABLE)
+            self._queue.append(_Item(hook, future, time.monotonic_ns(), claim))
             if len(self._queue) >= self._wake_at:
                 self._cond.notify()
         if self._expiry is None:
@@ -324,10 +337,21 @@ class Writer:
                 gone.append(queue.popleft())
             self.stats.expired += len(gone)
             next_ns = queue[0].submitted_ns + self._timeout_ns - now if queue else None
-        _settle([(item.future, UNAVAILABLE) for item in gone])
+        _settle(self._outcomes(gone, [UNAVAILABLE] * len(gone)))
         if next_ns is not None and self._loop is not None:
             delay = max(0.001, next_ns / 1e9)
             self._expiry = self._loop.call_later(delay, self._expire)
+
+    def _answered(self, claim: object, result: CommitResult) -> CommitResult:
+        if claim is not None and self._settle_claim is not None:
+            self._settle_claim(claim, result)
+        return result
+
+    def _outcomes(self, items: Sequence[_Item], results: Sequence[CommitResult]) -> Answers:
+        """Settle each item's claim with its result; the answers to hand back."""
+        for item, result in zip(items, results, strict=True):
+            self._answered(item.claim, result)
+        return [(item.future, r) for item, r in zip(items, results, strict=True)]
 
     # -- the thread's side -------------------------------------------------------------------
 
@@ -350,7 +374,8 @@ class Writer:
             with self._cond:
                 self._accepting = False
             batch, late = self._take(everything=True)  # empty, unless the thread failed
-            self._hand_back([(item.future, UNAVAILABLE) for item in batch + late])
+            gone = batch + late
+            self._hand_back(self._outcomes(gone, [UNAVAILABLE] * len(gone)))
             self._finish_sweep(0)
             self._drop_connection()
             if self._lock is not None:
@@ -579,9 +604,10 @@ class Writer:
                 return []
             batch, late = self._take(everything=True)
             self.stats.not_stored += len(batch)
-            return [(item.future, UNAVAILABLE) for item in batch + late]
+            gone = batch + late
+            return self._outcomes(gone, [UNAVAILABLE] * len(gone))
         batch, late = self._take(everything=False)
-        answers: Answers = [(item.future, UNAVAILABLE) for item in late]
+        answers = self._outcomes(late, [UNAVAILABLE] * len(late))
         if not batch:
             with contextlib.suppress(sqlite3.Error):
                 conn.execute("ROLLBACK")
@@ -608,8 +634,7 @@ class Writer:
             self._logged(committed, size)
             if self._on_commit is not None:
                 self._on_commit(len(batch))
-        answers.extend(zip([item.future for item in batch], results, strict=True))
-        return answers
+        return answers + self._outcomes(batch, results)
 
     def _insert(self, conn: sqlite3.Connection, hooks: Sequence[NewHook]) -> _Inserted:
         """The hooks and their index rows, in order, so a key's first hook in the batch is
