@@ -31,7 +31,8 @@ from ankusa_shm.shm.histograms import HistogramRow
 from ankusa_shm.shm.procs import ProcessSlot
 from ankusa_shm.shm.requests import RequestRow
 from ankusa_shm.shm.segment import Segment
-from ankusa_shm.store.writer import StoreError, Writer
+from ankusa_shm.store import readers
+from ankusa_shm.store.writer import StoreError, Writer, wall_ms
 
 log = logging.getLogger("ankusa_shm.worker")
 
@@ -46,7 +47,11 @@ class Worker:
         slot: ProcessSlot,
         sockets: list[socket.socket],
         ready: Callable[[], None],
+        recover_since_ms: int | None = None,
     ) -> None:
+        """``recover_since_ms``: a worker died (or the whole host did) and may have left
+        claims unsettled; before serving, promote what was stored since then."""
+        self._recover_since_ms = recover_since_ms
         self._cfg = cfg
         self._seg = seg
         self._slot = slot
@@ -55,6 +60,22 @@ class Worker:
 
     def run(self) -> int:
         return uvloop.run(self._serve())
+
+    async def _recover(self, fleet: Fleet, since_ms: int) -> None:
+        def read() -> list[tuple[str, str, bytes, str, int]]:
+            r = readers.Reader(self._cfg.store.path)
+            try:
+                return r.claimed_since(since_ms)
+            finally:
+                r.close()
+
+        try:
+            hooks = await asyncio.get_running_loop().run_in_executor(None, read)
+        except StoreError as e:
+            log.warning("recovery: cannot read the store: %s", e)
+            return
+        queued = fleet.repromote(hooks, wall_ms())
+        log.info("recovery: %d promotes queued for hooks stored since a crash", queued)
 
     def _observer(self) -> Observer:
         seg, index = self._seg, self._slot.index
@@ -92,6 +113,8 @@ class Worker:
             await writer.close()
             await fleet.close()
             raise BootError(str(e)) from None
+        if self._recover_since_ms is not None and "dedupe" in cfg.fleet_kinds:
+            await self._recover(fleet, self._recover_since_ms)
         fleet.set_overrides(overrides.read(seg.blob("overrides")))
         follow = loop.create_task(overrides.follow(seg.blob("overrides"), fleet.set_overrides))
         server = HttpServer(path, Limits.of(cfg.server), observer.answered if observer else None)

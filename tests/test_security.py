@@ -306,11 +306,16 @@ def _signed_headers(source: str, body: bytes, now: int) -> dict[str, str]:
 
 
 def _forged(headers: dict[str, str]) -> dict[str, str]:
-    """The same headers with the digest's last character changed: same length, wrong."""
+    """The same headers with one character of the digest changed: same length, wrong."""
     out = dict(headers)
     name = next(k for k in out if k in ("x-sig", "stripe-signature") or k.endswith("signature"))
     v = out[name]
-    out[name] = v[:-2] + ("A" if v[-2] != "A" else "B") + v[-1]
+    # Ten from the end: inside every scheme's digest, and not base64's last character,
+    # whose low bits are padding (changing it may decode to the same bytes). "0" or "1":
+    # a digit of hex and base64 alike, unlike the old character in either case (hex is
+    # read case-blind, so "a" -> "A" would forge nothing).
+    i = len(v) - 10
+    out[name] = v[:i] + ("0" if v[i].lower() != "0" else "1") + v[i + 1 :]
     return out
 
 

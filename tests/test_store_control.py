@@ -504,3 +504,23 @@ def test_page_json_is_page_as_documents(tmp_path: Path) -> None:
         assert r.page_json(last, 100) == ([], last)
     finally:
         r.close()
+
+
+def test_claimed_since_finds_the_recent_keyed_hooks_across_pages(tmp_path: Path) -> None:
+    """What a crash may have left unsettled: keyed hooks received since the moment given,
+    newest first, found a page at a time (more than one page here), nothing older, and
+    no hook without a key."""
+    cfg = store_cfg(tmp_path, max_batch=5_000)
+    old = [dataclasses.replace(hook(b"old-%d" % i), received_ms=1_000) for i in range(5)]
+    keyless = dataclasses.replace(hook(None), received_ms=5_000)
+    recent = [dataclasses.replace(hook(b"new-%d" % i), received_ms=5_000 + i) for i in range(2_500)]
+    commit_all(cfg, [*old, keyless, *recent])
+    r = readers.Reader(cfg.path)
+    try:
+        found = r.claimed_since(5_000)
+    finally:
+        r.close()
+    assert [h for _, _, _, h, _ in found] == [h.id for h in reversed(recent)]
+    tenant, source, key, _, expires = found[-1]
+    assert (tenant, source, key) == (recent[0].tenant, recent[0].source, b"new-0")
+    assert expires > 0

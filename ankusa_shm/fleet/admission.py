@@ -153,6 +153,24 @@ class Fleet:
     def promote(self, claim: Claim | None, hook_id: str) -> None:
         self._settler.promote(claim, hook_id)
 
+    def repromote(self, hooks: list[tuple[str, str, bytes, str, int]], wall_ms: int) -> int:
+        """Queue a promote for each (tenant, source, event key, hook id, expires_ms) this
+        host stored: the recovery after a worker died between a commit and its settle,
+        which would leave the claim pending and let a retry on another host store the
+        event again. A promote needs no token and never overwrites another host's
+        committed hook, so promoting what is already settled changes nothing. How many
+        were queued."""
+        if not self._dedupe_fleet or self._store is None:
+            return 0
+        n = 0
+        for tenant, source, key, hook_id, expires_ms in hooks:
+            left = expires_ms - wall_ms
+            if left > 0:
+                claim = Claim(self._store.dedupe_key(tenant, source, key), bytes(16), left)
+                self._settler.promote(claim, hook_id)
+                n += 1
+        return n
+
     def release(self, claim: Claim | None) -> None:
         self._settler.release(claim)
 

@@ -29,7 +29,7 @@ class Observer:
         self._latency = histograms.base + Histogram.REQUEST.offset
 
     def answered(self, path: bytes, status: int, started_ns: int) -> None:
-        """The HTTP server's observer: one answer written."""
+        """The HTTP server's observer: one answer, just before it is written."""
         view = self._view
         row = self._rows.get(path, self._unrouted)
         view.add(row + requests.COLUMN_OFFSETS.get(status, requests.OTHER_OFFSET), 1)

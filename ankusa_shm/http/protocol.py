@@ -258,9 +258,9 @@ class Connection(asyncio.Protocol):
                 keep_alive = keep_alive and not self._server.stopping
                 if self._transport is None:
                     return
-                self._transport.write(encode(resp, keep_alive, req.method == b"HEAD"))
-                if observe is not None:
+                if observe is not None:  # first: a client that has its answer was counted
                     observe(req.path, resp.status, req.started_ns)
+                self._transport.write(encode(resp, keep_alive, req.method == b"HEAD"))
                 if not keep_alive:
                     self._closing = True
                     self._pipeline.clear()
@@ -288,11 +288,11 @@ class Connection(asyncio.Protocol):
         t = self._transport
         if t is None:
             return
-        t.write(encode(Response(status, error_body(error)), keep_alive=False))
         observe = self._server.observe
         if observe is not None:
             path = self._url.partition(b"?")[0] if self._in_request else b""
             observe(path, status, self._started_ns if self._in_request else time.monotonic_ns())
+        t.write(encode(Response(status, error_body(error)), keep_alive=False))
         # Close our side but keep reading (and discarding) for a moment, so the client
         # reads the answer instead of a reset caused by its unread bytes.
         if t.can_write_eof():

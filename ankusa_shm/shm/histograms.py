@@ -32,7 +32,7 @@ class Histogram(enum.Enum):
 
     REQUEST = (
         "request_duration_seconds",
-        "Hook requests, from their first byte to their answer written.",
+        "Hook requests, from their first byte to their answer.",
         LATENCY_BOUNDS_NS,
         1e9,
     )

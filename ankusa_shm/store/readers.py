@@ -59,6 +59,13 @@ class StoredHook:
         return doc
 
 
+_RECENT_PAGE = 1_000
+_CLAIMED = (
+    "SELECT h.seq, h.received_ms, h.tenant, h.source, h.event_key, h.id, d.expires_ms"
+    " FROM hooks AS h JOIN dedupe AS d ON d.source = h.source AND d.event_key = h.event_key"
+    " WHERE h.seq < ? AND d.hook_id = h.id ORDER BY h.seq DESC LIMIT ?"
+)
+
 # A hook's document without its key and body (the closing brace is replaced by them).
 _DOC_HEAD = (
     "seq, json_object('id', id, 'seq', seq, 'tenant', tenant, 'source', source,"
@@ -126,6 +133,23 @@ class Reader:
         rows = self._after(_DOC_HEAD, after_seq, limit, source)
         docs = [head[:-1] + _doc_tail(key, body) for _, head, key, body in rows]
         return docs, rows[-1][0] if rows else after_seq
+
+    def claimed_since(self, received_ms: int) -> list[tuple[str, str, bytes, str, int]]:
+        """(tenant, source, event key, hook id, expires_ms) of every hook received at or
+        after ``received_ms`` that holds its key in the dedupe index: what a crashed
+        worker may have committed without settling. Read from the newest back, a page at
+        a time, so it costs what is that recent, not the table."""
+        out: list[tuple[str, str, bytes, str, int]] = []
+        below = 1 << 62
+        while True:
+            rows = self._rows(_CLAIMED, [below, _RECENT_PAGE])
+            for seq, received, tenant, source, key, hook_id, expires in rows:
+                if received < received_ms:
+                    return out
+                out.append((tenant, source, bytes(key), hook_id, expires))
+                below = seq
+            if len(rows) < _RECENT_PAGE:
+                return out
 
     def _after(self, columns: str, after_seq: int, limit: int, source: str | None) -> list[Any]:
         params: list[Any]

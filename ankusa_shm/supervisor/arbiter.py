@@ -117,15 +117,22 @@ class Arbiter:
         self._seg: Segment | None = None
         self._listeners: socks.Listeners | None = None
         self._admin_socket: socket.socket | None = None
+        # Set when a worker died, or the last supervisor did: the next worker promotes
+        # what was stored since then (``Worker``), closing the gap a crash between a
+        # commit and its settle leaves.
+        self._recover_since_ms: int | None = None
         self._wake_r, self._wake_w = -1, -1
 
     # -- the life of the supervisor -------------------------------------------------------
 
     def run(self) -> int:
         cfg = self.cfg
+        began_ns = time.time_ns()
         self._seg = Segment.open_for_owner(
             cfg.server.segment, make_params(cfg.fleet.settle_queue_size)
         )
+        if self._seg.header().created_ns < began_ns:  # re-attached: the last owner may have died
+            self._recover_since_ms = _recovery_start(cfg)
         try:
             self._publish(cfg)
             _publish_overrides(self._seg, cfg)
@@ -245,6 +252,7 @@ class Arbiter:
         if admin_socket is not None and kind is not Kind.ADMIN:
             admin_socket.close()
         title = f"ankusa-shm: {kind.value} [{seg.name.lstrip('/')}]"
+        recover, self._recover_since_ms = self._recover_since_ms, None
 
         def ready() -> None:
             os.write(ready_w, b"1")
@@ -265,7 +273,7 @@ class Arbiter:
             from ankusa_shm import worker
 
             slot = procs.claim(seg.view, seg.layout, Role.WORKER)
-            return worker.Worker(cfg, seg, slot, mine, ready).run()
+            return worker.Worker(cfg, seg, slot, mine, ready, recover).run()
 
         child.run(title, parent, body)
 
@@ -305,6 +313,8 @@ class Arbiter:
             self._on_boot_error(c)
             return
         log.warning("%s %d died (%s); starting another", c.kind.value, c.pid, how)
+        if c.kind is Kind.WORKER:
+            self._recover_since_ms = _recovery_start(c.cfg)
         b = self._backoff[c.kind]
         young = time.monotonic() - c.started < YOUNG_S
         b.delay = min(max(2 * b.delay, 0.1), BACKOFF_MAX_S) if young else 0.0
@@ -531,6 +541,13 @@ def _keep_restart_only(old: Config, new: Config) -> Config:
         if before != after:
             log.warning("HUP: %s changed; it takes effect at the next restart", name)
     return dataclasses.replace(new, server=server, fleet=fleet)
+
+
+def _recovery_start(cfg: Config) -> int:
+    """Wall ms from which a crashed worker's commits may be unsettled: a hook is
+    committed at most ``lock_timeout_ms`` after it was received, and a second more
+    covers the transaction itself."""
+    return time.time_ns() // 1_000_000 - cfg.store.lock_timeout_ms - 1_000
 
 
 def _publish_overrides(seg: Segment, cfg: Config) -> None:
