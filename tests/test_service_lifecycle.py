@@ -139,6 +139,11 @@ def test_a_killed_supervisor_restarts_on_its_segment_and_loses_nothing_queued(
     )
     assert counter(svc, Counter.SETTLED_PROMOTE) >= queued
     assert "recovery:" in svc.log()
+    # One worker recovers; one started later (TTIN) has nothing to recover.
+    svc.send(signal.SIGTTIN)
+    wait_until(lambda: len(svc.pids("worker")) == 3, what="a third worker")
+    wait_until(lambda: svc.log().count(" serving") >= 5, what="the third worker serving")
+    assert svc.log().count("recovery:") == 1
     r = redis_server.client()
     for delivery, hook_id in accepted.items():
         assert r.get(f"ankusa:{{acme}}:dd:github:{delivery}") == f"c:{hook_id}".encode()

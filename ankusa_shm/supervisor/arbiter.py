@@ -227,15 +227,18 @@ class Arbiter:
     def _spawn(self, kind: Kind, lane: int = 0) -> None:
         assert self._seg is not None
         ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
+        recover = None
+        if kind is Kind.WORKER:  # taken here, in the supervisor: one worker recovers
+            recover, self._recover_since_ms = self._recover_since_ms, None
         pid = os.fork()
         if pid == 0:
             os.close(ready_r)
-            self._in_child(kind, ready_w, lane)
+            self._in_child(kind, ready_w, lane, recover)
         os.close(ready_w)
         self._children[pid] = Child(pid, kind, self.cfg, time.monotonic(), ready_r, lane)
         log.info("%s %d started", kind.value, pid)
 
-    def _in_child(self, kind: Kind, ready_w: int, lane: int) -> None:
+    def _in_child(self, kind: Kind, ready_w: int, lane: int, recover: int | None) -> None:
         """In the forked child: let go of what is the supervisor's, then run."""
         parent = os.getppid()
         os.close(self._wake_r)
@@ -252,7 +255,6 @@ class Arbiter:
         if admin_socket is not None and kind is not Kind.ADMIN:
             admin_socket.close()
         title = f"ankusa-shm: {kind.value} [{seg.name.lstrip('/')}]"
-        recover, self._recover_since_ms = self._recover_since_ms, None
 
         def ready() -> None:
             os.write(ready_w, b"1")
