@@ -14,7 +14,7 @@ import pytest
 from ankusa_shm import config
 from ankusa_shm.config import ConfigError
 from ankusa_shm.credentials import MissingSecret
-from ankusa_shm.http.verify import InvalidSecret, Verifier, verifier_for
+from ankusa_shm.http.verify import InvalidSecret, Keyed, Verifier, verifier_for
 
 SECRET = "s3cr3t-Th4t-must-n0t-leak"
 
@@ -29,6 +29,17 @@ def verifier(verify: dict[str, Any]) -> Verifier:
     v = verifier_for(source(verify))
     assert v is not None
     return v
+
+
+@pytest.mark.parametrize("algorithm", ["sha1", "sha256"])
+@pytest.mark.parametrize("key_len", [0, 1, 32, 63, 64, 65, 200])
+def test_keyed_hmac_is_rfc_2104(algorithm: str, key_len: int) -> None:
+    """The precomputed pads give hmac's digest for keys shorter than, equal to and longer
+    than the block (a long key is hashed first), and stay reusable across messages."""
+    key = bytes(range(256))[:key_len] if key_len <= 256 else b""
+    keyed = Keyed(key, algorithm)
+    for message in (b"", b"x", b"{}" * 500, bytes(range(256))):
+        assert keyed.digest(message) == hmac.digest(key, message, algorithm)
 
 
 def config_error(verify: dict[str, Any]) -> str:

@@ -112,8 +112,11 @@ def encode(resp: Response, keep_alive: bool, head: bool = False) -> bytes:
 class Connection(asyncio.Protocol):
     """One client connection: parse, queue, answer in order, enforce the limits."""
 
-    def __init__(self, server: HttpServer) -> None:
+    def __init__(self, server: HttpServer, loop: asyncio.AbstractEventLoop) -> None:
         self._server = server
+        # Its tasks are created on this loop: asyncio.get_running_loop makes a system
+        # call (getpid, to tell a forked child) each time it is asked.
+        self._loop = loop
         self._limits = server.limits
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
@@ -237,7 +240,7 @@ class Connection(asyncio.Protocol):
         if len(self._pipeline) >= PIPELINE_DEPTH:
             self._pause_reading()
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._answer())
+            self._task = self._loop.create_task(self._answer())
 
     # -- answering ----------------------------------------------------------------------
 
@@ -358,7 +361,7 @@ class HttpServer:
     async def start(self, sockets: list[socket.socket]) -> None:
         loop = asyncio.get_running_loop()
         for sock in sockets:
-            srv = await loop.create_server(lambda: Connection(self), sock=sock)
+            srv = await loop.create_server(lambda: Connection(self, loop), sock=sock)
             self._servers.append(srv)
         self._sweeper = loop.create_task(self._sweep())
 

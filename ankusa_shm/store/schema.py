@@ -111,6 +111,10 @@ def connect(
         if str(mode).lower() != "wal":
             raise sqlite3.OperationalError(f"journal_mode is {mode}, not wal")
         conn.execute(f"PRAGMA synchronous = {_SYNCHRONOUS[durability]}")
+        # A batch's statements keep the pages they change in a statement journal, which
+        # past 64 KiB SQLite spills to a temporary file it creates and unlinks again --
+        # in most batches, with the write lock held. In memory it is a copy of a few pages.
+        conn.execute("PRAGMA temp_store = MEMORY")
         if not autocheckpoint:
             conn.execute("PRAGMA wal_autocheckpoint = 0")
     except BaseException:
