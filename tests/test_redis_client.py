@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 
 import pytest
 from fleet_helpers import run, stopped
@@ -174,6 +175,49 @@ def test_late_reply_while_others_wait(redis_server: RedisServer) -> None:
                 await asyncio.sleep(0.2)
             got = await asyncio.gather(*tasks)
             assert got == [f"keep-{i}".encode() if i % 2 else None for i in range(10)]
+        finally:
+            await c.close()
+
+    run(body())
+
+
+def test_deadlines_fail_each_waiter_on_time_and_the_replies_stay_in_order(
+    redis_server: RedisServer,
+) -> None:
+    """Deadlines handed down with the requests, earliest last (the one timer is re-armed
+    for it): each waiter fails with TimeoutError at its own deadline, not before and not
+    long after, while one without a deadline keeps waiting and gets its own reply."""
+
+    async def body() -> None:
+        c = client_for(redis_server)
+        try:
+            await c.call("PING")
+            failed_after: dict[str, float] = {}
+
+            async def bounded(name: str, budget_s: float) -> bytes | None:
+                start = time.monotonic()
+                try:
+                    reply: list[bytes] = await c.pipeline([("ECHO", name)], start + budget_s)
+                    return reply[0]
+                except TimeoutError:
+                    failed_after[name] = time.monotonic() - start
+                    return None
+
+            with stopped(redis_server.pid):
+                tasks = [
+                    asyncio.ensure_future(bounded("slow", 0.30)),
+                    asyncio.ensure_future(c.call("ECHO", "patient")),
+                    asyncio.ensure_future(bounded("fast", 0.05)),
+                ]
+                await asyncio.sleep(0.5)
+            got = await asyncio.gather(*tasks)
+            assert got == [None, b"patient", None]
+            assert 0.05 <= failed_after["fast"] < 0.2, failed_after
+            assert 0.30 <= failed_after["slow"] < 0.45, failed_after
+            # a deadline already past: refused without a word to the server, nothing wedged
+            with pytest.raises(TimeoutError):
+                await c.pipeline([("ECHO", "too late")], time.monotonic() - 1)
+            assert await c.call("ECHO", "after") == b"after"
         finally:
             await c.close()
 

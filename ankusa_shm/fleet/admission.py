@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from dataclasses import dataclass
 
 from ankusa_shm.clock import Clock, monotonic_ns
@@ -30,7 +31,7 @@ from ankusa_shm.fleet.redis_store import RedisStore
 from ankusa_shm.fleet.settle import Claim, Settler
 from ankusa_shm.hooks import CommitResult, Envelope
 from ankusa_shm.limits import Limit
-from ankusa_shm.shm.breaker import Breaker, Permit, Policy, State
+from ankusa_shm.shm.breaker import Breaker, Permit, Policy
 from ankusa_shm.shm.counters import Counter
 from ankusa_shm.shm.degraded import Degraded
 from ankusa_shm.shm.gcra import GcraTable
@@ -215,14 +216,14 @@ class Fleet:
         assert self._store is not None
         now_ms = now // 1_000_000
         try:
-            async with asyncio.timeout(self._deadline_s):
-                verdict, value = await self._store.admit(
-                    tenant,
-                    limit if self._rate_fleet else None,
-                    claim.key if claim else None,
-                    claim.token if claim else b"",
-                    self._pending_ttl_ms,
-                )
+            verdict, value = await self._store.admit(
+                tenant,
+                limit if self._rate_fleet else None,
+                claim.key if claim else None,
+                claim.token if claim else b"",
+                self._pending_ttl_ms,
+                time.monotonic() + self._deadline_s,
+            )
             outcome = Counter.STORE_OK
         except TimeoutError:
             outcome = Counter.STORE_TIMEOUT
@@ -238,7 +239,7 @@ class Fleet:
             return None
         if claim is not None:  # answered: the claim was written, if at all, before now
             claim = Claim(claim.key, claim.token, claim.ttl_ms, self._clock() // 1_000_000)
-        if self._breaker.state() == State.CLOSED:  # a late success while open changes nothing
+        if self._breaker.closed():  # a late success while open changes nothing
             for kind in self._kinds:
                 self._degraded.set(kind, False)
         if verdict == redis_store.DUPLICATE:

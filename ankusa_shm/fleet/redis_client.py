@@ -9,6 +9,12 @@ a pooled request/response connection reused with a reply still on the wire; here
 is ever reused out of order). A connection whose oldest request has waited longer than
 ``stall_ms`` is closed and every waiter failed, so a hung server cannot pile up work.
 
+A caller's budget is a deadline handed down with its request, not an ``asyncio.timeout``
+around it: each connection keeps one timer, armed for the earliest deadline among its
+waiters, which fails whoever's deadline has passed with ``TimeoutError`` (their replies are
+still read, and dropped). Per call, a timeout and its timer handle cost more than the rest
+of the client; one timer per connection costs almost nothing.
+
 Lua scripts a client is given are loaded (``SCRIPT LOAD``) on every connection as part of
 its greeting, so callers only ever send ``EVALSHA``. A server that loses its script cache
 while connected (``SCRIPT FLUSH``) answers ``NOSCRIPT``: the first such reply on a
@@ -38,6 +44,7 @@ from ankusa_shm.fleet.hash_slot import key_slot
 
 Arg = bytes | str | int
 Reply = Any
+_NEVER = float("inf")
 
 
 class RedisError(Exception):
@@ -53,15 +60,9 @@ class ProtocolError(RedisError):
 
 
 def pack(*args: Arg) -> bytes:
-    """RESP-encode one command."""
-    out = [b"*%d\r\n" % len(args)]
-    for a in args:
-        if isinstance(a, str):
-            a = a.encode()
-        elif isinstance(a, int):
-            a = b"%d" % a
-        out.append(b"$%d\r\n%s\r\n" % (len(a), a))
-    return b"".join(out)
+    """RESP-encode one command (str as UTF-8, int in decimal), in hiredis's C."""
+    packed: bytes = hiredis.pack_command(cast(Any, args))  # its stub allows one argument
+    return packed
 
 
 @dataclass(frozen=True)
@@ -112,14 +113,18 @@ def parse_url(url: str, password: str = "", tls_ca_file: str = "") -> Endpoint:
     return Endpoint(host, port, "", int(db), username, password, tls, tls_ca_file)
 
 
-class _Pending:
-    __slots__ = ("future", "remaining", "replies", "sent_at")
+_LATE_S = 0.001  # a deadline timer firing fails every waiter due within this much after it
 
-    def __init__(self, future: asyncio.Future[Any], n: int) -> None:
+
+class _Pending:
+    __slots__ = ("deadline", "future", "remaining", "replies", "sent_at")
+
+    def __init__(self, future: asyncio.Future[Any], n: int, sent_at: float, deadline: float):
         self.future = future
         self.remaining = n
         self.replies: list[Reply] = []
-        self.sent_at = time.monotonic()
+        self.sent_at = sent_at
+        self.deadline = deadline
 
 
 class Connection(asyncio.Protocol):
@@ -127,10 +132,13 @@ class Connection(asyncio.Protocol):
 
     def __init__(self, stall_s: float) -> None:
         self._reader = hiredis.Reader(replyError=ReplyError, protocolError=ProtocolError)
+        self._loop = asyncio.get_running_loop()  # made by a protocol factory, on its loop
         self._pending: collections.deque[_Pending] = collections.deque()
         self._transport: asyncio.Transport | None = None
         self._stall_s = stall_s
         self._out: list[bytes] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = _NEVER  # monotonic seconds the timer fires at
         self.closed = False
         self.script_load: asyncio.Future[None] | None = None  # the one reload in flight
 
@@ -161,20 +169,51 @@ class Connection(asyncio.Protocol):
             if not p.future.done():  # its caller may have given up; the reply is dropped
                 p.future.set_result(p.replies)
 
-    def request(self, payload: bytes, n: int) -> asyncio.Future[list[Reply]]:
-        """Send ``n`` packed commands; the future gets their ``n`` replies in order."""
+    def request(
+        self, payload: bytes, n: int, deadline: float = _NEVER
+    ) -> asyncio.Future[list[Reply]]:
+        """Send ``n`` packed commands; the future gets their ``n`` replies in order, or
+        ``TimeoutError`` once ``deadline`` (``time.monotonic()`` seconds) has passed."""
         if self.closed or self._transport is None:
             raise RedisError("not connected")
-        if self._pending and time.monotonic() - self._pending[0].sent_at > self._stall_s:
+        now = time.monotonic()
+        if deadline <= now:  # its caller has given up already: Redis need not hear of it
+            raise TimeoutError
+        if self._pending and now - self._pending[0].sent_at > self._stall_s:
             self.close(RedisError(f"server stalled for more than {self._stall_s:g} s"))
             raise RedisError("server stalled")
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         fut: asyncio.Future[list[Reply]] = loop.create_future()
-        self._pending.append(_Pending(fut, n))
+        self._pending.append(_Pending(fut, n, now, deadline))
+        if deadline < self._timer_at:
+            self._arm(deadline, now)
         if not self._out:
             loop.call_soon(self._flush)
         self._out.append(payload)
         return fut
+
+    def _arm(self, at: float, now: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = at
+        self._timer = self._loop.call_later(max(0.0, at - now), self._expire)
+
+    def _expire(self) -> None:
+        """The timer: fail every waiter whose deadline has passed; re-arm for the next."""
+        self._timer, self._timer_at = None, _NEVER
+        now = time.monotonic()
+        due = now + _LATE_S
+        following = _NEVER
+        for p in self._pending:
+            if p.future.done():
+                continue
+            if p.deadline <= due:
+                p.future.set_exception(TimeoutError())
+                p.future.exception()  # its waiter has it; nobody else must be warned
+            elif p.deadline < following:
+                following = p.deadline
+        if following < _NEVER and not self.closed:
+            self._arm(following, now)
 
     def _flush(self) -> None:
         """One write for every request made in this turn of the loop: one system call
@@ -187,6 +226,9 @@ class Connection(asyncio.Protocol):
         if self.closed:
             return
         self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer, self._timer_at = None, _NEVER
         if self._transport is not None:
             self._transport.abort()
         while self._pending:
@@ -224,24 +266,35 @@ class Client:
             raise reply
         return reply
 
-    async def send(self, commands: Sequence[tuple[bytes, Sequence[Arg]]]) -> list[Reply]:
+    async def send(
+        self, commands: Sequence[tuple[bytes, Sequence[Arg]]], deadline: float = _NEVER
+    ) -> list[Reply]:
         """(routing key, command) pairs, as ``ClusterClient.send``; one server needs no
         routing."""
-        return await self.pipeline([c for _, c in commands])
+        return await self.pipeline([c for _, c in commands], deadline)
 
-    async def pipeline(self, commands: Sequence[Sequence[Arg]]) -> list[Reply]:
+    async def pipeline(
+        self, commands: Sequence[Sequence[Arg]], deadline: float = _NEVER
+    ) -> list[Reply]:
         """Many commands in one write and one round trip; error replies are returned in
-        place, not raised."""
+        place, not raised. Past ``deadline`` (``time.monotonic()`` seconds): TimeoutError."""
         if not commands:  # no reply would ever come: the entry would swallow the next ones
             return []
-        conn = await self._connection()
-        payload = b"".join(pack(*c) for c in commands)
-        replies = await conn.request(payload, len(commands))
+        conn = self._conn
+        if conn is None or conn.closed:
+            async with _within(deadline):
+                conn = await self._connection()
+        if len(commands) == 1:  # most calls: one admission script
+            payload = pack(*commands[0])
+        else:
+            payload = b"".join([pack(*c) for c in commands])
+        replies = await conn.request(payload, len(commands), deadline)
         again = [i for i, r in enumerate(replies) if _noscript(r)] if self._scripts else []
         if again:
-            await self._reload_scripts(conn)
-            redo = await conn.request(b"".join(pack(*commands[i]) for i in again), len(again))
-            for i, r in zip(again, redo, strict=True):
+            async with _within(deadline):
+                await self._reload_scripts(conn)
+            redo = b"".join(pack(*commands[i]) for i in again)
+            for i, r in zip(again, await conn.request(redo, len(again), deadline), strict=True):
                 replies[i] = r
         return replies
 
@@ -385,11 +438,15 @@ class ClusterClient:
             raise reply
         return reply
 
-    async def send(self, commands: Sequence[tuple[bytes, Sequence[Arg]]]) -> list[Reply]:
+    async def send(
+        self, commands: Sequence[tuple[bytes, Sequence[Arg]]], deadline: float = _NEVER
+    ) -> list[Reply]:
         """(routing key, command) pairs; one concurrent round trip per node involved. A
-        node that cannot be reached raises ``RedisError`` for the whole call."""
+        node that cannot be reached raises ``RedisError`` for the whole call; past
+        ``deadline``, TimeoutError."""
         if not self._loaded:
-            await self.refresh()
+            async with _within(deadline):
+                await self.refresh()
         replies: list[Reply] = [None] * len(commands)
         todo = list(range(len(commands)))
         for attempt in range(2):
@@ -400,7 +457,10 @@ class ClusterClient:
                     raise RedisError("cluster slot map has no owner for a key")
                 by_node[addr].append(i)
             results = await asyncio.gather(
-                *(self._pipeline(a, [commands[i][1] for i in ix]) for a, ix in by_node.items())
+                *(
+                    self._pipeline(a, [commands[i][1] for i in ix], deadline)
+                    for a, ix in by_node.items()
+                )
             )
             redirected = []
             for ix, rs in zip(by_node.values(), results, strict=True):
@@ -411,21 +471,23 @@ class ClusterClient:
             if not redirected or attempt == 1:
                 break
             if any(str(replies[i]).startswith("MOVED ") for i in redirected):
-                await self.refresh()
+                async with _within(deadline):
+                    await self.refresh()
             asks = [i for i in redirected if str(replies[i]).startswith("ASK ")]
             for i in asks:
                 host, _, port = str(replies[i]).split()[2].rpartition(":")
-                rs = await self._pipeline((host, int(port)), [("ASKING",), commands[i][1]])
+                asking = [("ASKING",), commands[i][1]]
+                rs = await self._pipeline((host, int(port)), asking, deadline)
                 replies[i] = rs[1]
             todo = [i for i in redirected if i not in asks]
         return replies
 
     async def _pipeline(
-        self, addr: tuple[str, int], commands: Sequence[Sequence[Arg]]
+        self, addr: tuple[str, int], commands: Sequence[Sequence[Arg]], deadline: float
     ) -> list[Reply]:
         """One node's share of a call; a node that fails may have failed over."""
         try:
-            return await self._node(addr).pipeline(commands)
+            return await self._node(addr).pipeline(commands, deadline)
         except RedisError:
             self._refresh_soon()
             raise
@@ -497,6 +559,12 @@ class ClusterClient:
     async def close(self) -> None:
         for c in self._nodes.values():
             await c.close()
+
+
+def _within(deadline: float) -> asyncio.Timeout:
+    """A timeout at ``deadline`` for the rare waits that are not one request: a connect,
+    a script reload."""
+    return asyncio.timeout(None if deadline == _NEVER else max(0.0, deadline - time.monotonic()))
 
 
 def _noscript(reply: Reply) -> bool:

@@ -37,6 +37,7 @@ from ankusa_shm.shm import layout as L
 from ankusa_shm.shm.settle_queue import Op, Record
 
 SETTLE_OPS_PER_CALL = 500  # bounds how long one script holds the server
+_NEVER = float("inf")
 
 
 @dataclass(frozen=True)
@@ -92,9 +93,11 @@ class RedisStore:
         dedupe_key: bytes | None,
         token: bytes,
         pending_ttl_ms: int,
+        deadline: float = _NEVER,
     ) -> tuple[int, int | bytes]:
         """One round trip: (ADMITTED, 0) | (DUPLICATE, hook id) | (PENDING, ms) | (LIMITED, ms).
-        ``limit`` None charges nothing; ``dedupe_key`` None claims nothing."""
+        ``limit`` None charges nothing; ``dedupe_key`` None claims nothing. Past
+        ``deadline`` (``time.monotonic()`` seconds), TimeoutError."""
         rate_key = self.rate_key(tenant)
         keys = (rate_key, dedupe_key or rate_key)
         args: tuple[Arg, ...] = (
@@ -105,7 +108,7 @@ class RedisStore:
             token.hex(),
             pending_ttl_ms,
         )
-        (reply,) = await self._run(ADMIT, [(keys, args)])
+        (reply,) = await self._run(ADMIT, [(keys, args)], deadline)
         if isinstance(reply, ReplyError):
             raise reply
         return int(reply[0]), reply[1] if len(reply) > 1 else 0
@@ -149,9 +152,13 @@ class RedisStore:
         return key[start : key.find(b"}", start) + 1]
 
     async def _run(
-        self, script: Script, calls: Sequence[tuple[tuple[bytes, ...], tuple[Arg, ...]]]
+        self,
+        script: Script,
+        calls: Sequence[tuple[tuple[bytes, ...], tuple[Arg, ...]]],
+        deadline: float = _NEVER,
     ) -> list[Reply]:
         """EVALSHA each call, all in one round trip (per node, on a cluster)."""
         return await self.client.send(
-            [(keys[0], ("EVALSHA", script.sha, len(keys), *keys, *args)) for keys, args in calls]
+            [(keys[0], ("EVALSHA", script.sha, len(keys), *keys, *args)) for keys, args in calls],
+            deadline,
         )

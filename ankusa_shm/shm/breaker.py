@@ -117,6 +117,10 @@ class Breaker:
     def state(self) -> State:
         return State(self._view.load(self._state) >> L.BR_STATE_SHIFT)
 
+    def closed(self) -> bool:
+        """``state() is State.CLOSED``, without building an enum member: every call asks."""
+        return self._view.load(self._state) >> L.BR_STATE_SHIFT == State.CLOSED
+
     def word(self) -> int:
         return self._view.load(self._state)
 
