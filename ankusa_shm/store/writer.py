@@ -640,17 +640,18 @@ class Writer:
         """The hooks and their index rows, in order, so a key's first hook in the batch is
         the one stored. The window starts when the hook is stored, as Redis's does.
 
-        Batched under a savepoint; a batch in which some hook's id is taken (a caller's
-        bug) is rolled back to it and redone one hook at a time, which tells that hook
-        apart and leaves its key unclaimed. A lone hook takes the per-hook statements,
-        which are fewer for it."""
+        A batch in which some hook's id is taken (a caller's bug) is rolled back -- it is
+        all the transaction holds -- and redone one hook at a time in a new one, which
+        tells that hook apart and leaves its key unclaimed. (Not a savepoint: every
+        statement under the lock is one more wait for the GIL, and this is never the
+        common case.) A lone hook takes the per-hook statements, which are fewer for it."""
         now = self._wall()
         if _BATCHED and len(hooks) > 1:
-            conn.execute("SAVEPOINT batch")
             try:
                 return _insert_batched(conn, hooks, now)
             except sqlite3.IntegrityError:
-                conn.execute("ROLLBACK TO batch")
+                conn.execute("ROLLBACK")
+                conn.execute("BEGIN IMMEDIATE")
         return _insert_each(conn, hooks, now)
 
     def _sweep_pass(self) -> int | None:
