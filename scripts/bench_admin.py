@@ -95,6 +95,7 @@ def consumer(port: int) -> bh.During:
     def start() -> Callable[[], dict[str, float]]:
         stop = threading.Event()
         read = [0]
+        pages = [0]
         seen: set[str] = set()
         repeats = [0]
         t0 = time.perf_counter()
@@ -110,6 +111,7 @@ def consumer(port: int) -> bh.During:
                         repeats[0] += 1
                     seen.add(h["id"])
                 read[0] += len(doc["hooks"])
+                pages[0] += 1
                 cursor = doc["cursor"]
             conn.close()
 
@@ -120,7 +122,12 @@ def consumer(port: int) -> bh.During:
             elapsed = time.perf_counter() - t0
             stop.set()
             thread.join()
-            return {"read": read[0], "read_per_s": read[0] / elapsed, "read_repeats": repeats[0]}
+            return {
+                "read": read[0],
+                "read_per_s": read[0] / elapsed,
+                "read_repeats": repeats[0],
+                "pages": pages[0],
+            }
 
         return done
 
@@ -182,7 +189,8 @@ def main() -> int:
     )
     print(
         f"  consumer              {c['read_per_s']:,.0f} hooks/s read ({c['read']:,.0f}, "
-        f"{c['read_repeats']:.0f} repeats) while writing {consumed.hooks_per_s:,.0f} hooks/s: "
+        f"{c['read_repeats']:.0f} repeats, {c['read'] / max(1, c['pages']):.0f} a page) "
+        f"while writing {consumed.hooks_per_s:,.0f} hooks/s: "
         f"writers {slowdown:+.1%} slower  target <= 10%: {bh.verdict(slowdown <= 0.10)}"
     )
     figures = {
@@ -195,6 +203,7 @@ def main() -> int:
         "scrape_failures": s["scrape_failures"],
         "consumer_read_per_s": round(c["read_per_s"], 1),
         "consumer_repeats": c["read_repeats"],
+        "consumer_pages": c["pages"],
         "writes_with_consumer_per_s": round(consumed.hooks_per_s, 1),
         "writer_slowdown": round(slowdown, 3),
         "lost": lost,
