@@ -249,6 +249,12 @@ def inject(f: Fault, hosts: list[Host], redis: RedisServer, load: Load, rng: ran
         if host.tmpfs is None:
             f.note = "skipped: no tmpfs"
         else:
+            # A reader's snapshot keeps the log from being rewound, so the writers must
+            # grow the file: a log with room left at its start would take the hooks of a
+            # full disk without a failure, and the fault would test nothing.
+            pin = sqlite3.connect(f"file:{host.store}?mode=ro", uri=True, isolation_level=None)
+            pin.execute("BEGIN")
+            pin.execute("SELECT count(*) FROM consumers").fetchone()
             filler = host.tmpfs / "filler"
             with filler.open("wb") as out, contextlib.suppress(OSError):
                 while True:
@@ -256,6 +262,7 @@ def inject(f: Fault, hosts: list[Host], redis: RedisServer, load: Load, rng: ran
                     out.flush()
             time.sleep(STALL_S)
             filler.unlink()
+            pin.close()
             f.note = f"tmpfs of host {f.host} full for {STALL_S:g} s"
     f.end_s, f.end_ms = load.now(), _wall_ms()
 
