@@ -8,6 +8,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 from fleet_helpers import (
     CTX,
@@ -38,6 +39,7 @@ from redis_server import RedisServer
 
 from ankusa_shm import metrics
 from ankusa_shm.config import Config
+from ankusa_shm.fleet import drainer
 from ankusa_shm.fleet.admission import Admit, Admitted, Claim, Fleet, RateLimited
 from ankusa_shm.fleet.drainer import Drainer
 from ankusa_shm.fleet.redis_store import RedisStore
@@ -171,6 +173,52 @@ def test_drainer_keeps_its_batch_while_redis_is_down(redis_server: RedisServer) 
         with redis_server.client() as r:
             values = committed_values(r, [dd_key(f"k{i}") for i in range(5)])
         assert values == [committed(i) for i in range(5)]
+
+
+def test_an_idle_drainer_looks_seldom_and_still_answers_the_first_operation(
+    redis_server: RedisServer,
+) -> None:
+    """An empty queue is looked at less and less often, down to every IDLE_MAX_S (not every
+    settle_interval_ms: 200 wake-ups a second on a host with nothing to do); an operation
+    queued after a long idle spell is still delivered within about that pause."""
+    with segments(1) as (seg,):
+        cfg = fleet_config(redis_server.url, bare(seg), settle_interval_ms=5)
+
+        async def body() -> float:
+            slot = procs.claim(seg.view, seg.layout, Role.DRAINER)
+            store = RedisStore.from_config(cfg.fleet)
+            stop = asyncio.Event()
+            d = Drainer(cfg, seg, slot, store)
+            looks = [0]
+            peek = d._queue.peek
+
+            def counting_peek(n: int, now_ms: int) -> Any:
+                looks[0] += 1
+                return peek(n, now_ms)
+
+            d._queue.peek = counting_peek  # type: ignore[method-assign]
+            task = asyncio.create_task(d.run(stop))
+            try:
+                await asyncio.sleep(0.3)  # past the ramp from 5 ms to IDLE_MAX_S
+                looks[0] = 0
+                await asyncio.sleep(1.0)
+                assert looks[0] <= 40, looks[0]  # every 50 ms: 20; every 5 ms it was 200
+                async with open_fleet(cfg, seg) as fleet:
+                    c = claim_of(await admit(fleet, cfg, "after-idle"))
+                    queued = time.monotonic()
+                    fleet.settle(c, Committed("hook-idle"))
+                await await_until(lambda: seg.queue_depth() == 0, "the first delivery")
+                return time.monotonic() - queued
+            finally:
+                stop.set()
+                await task
+                await store.close()
+                slot.release()
+
+        took = run(body())
+        assert took < drainer.IDLE_MAX_S + 0.5, took
+        with redis_server.client() as r:
+            assert committed_values(r, [dd_key("after-idle")]) == [b"c:hook-idle"]
 
 
 def past_pending_ttl(cfg: Config) -> int:
