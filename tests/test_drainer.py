@@ -196,7 +196,7 @@ def test_an_idle_drainer_looks_seldom_and_still_answers_the_first_operation(
                 looks[0] += 1
                 return peek(n, now_ms)
 
-            d._queue.peek = counting_peek  # type: ignore[method-assign]
+            d._queue.peek = counting_peek  # type: ignore[method-assign,assignment]
             task = asyncio.create_task(d.run(stop))
             try:
                 await asyncio.sleep(0.3)  # past the ramp from 5 ms to IDLE_MAX_S
