@@ -445,7 +445,7 @@ def make_breaker(ctx: Ctx, variant: Variant, mode: Mode) -> Loop:
 def make_gcra(ctx: Ctx, variant: Variant, mode: Mode) -> Loop:
     table: GcraLike
     if variant == "atomics":
-        table = GcraTable(ctx.seg.view, ctx.seg.layout, ctx.row)
+        table = GcraTable(ctx.seg.view, ctx.seg.buf, ctx.seg.layout, ctx.row)
     else:
         table = TwinGcra(ctx.sem, ctx.seg.buf, ctx.seg.layout)
     take = table.take

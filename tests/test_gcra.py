@@ -29,7 +29,7 @@ HITS = 50
 
 def _table(seg: Segment) -> tuple[GcraTable, CounterRow]:
     row = claimed_row(seg, 0)
-    return GcraTable(seg.view, seg.layout, row), row
+    return GcraTable(seg.view, seg.buf, seg.layout, row), row
 
 
 def _region(seg: Segment) -> bytes:
@@ -118,7 +118,7 @@ def test_reset_gives_a_fresh_bucket(seg: Segment) -> None:
 
 def _hit(i: int, name: str, n: int, now: int, start: Barrier) -> list[int]:
     with Segment.attach(name) as s:
-        t = GcraTable(s.view, s.layout)
+        t = GcraTable(s.view, s.buf, s.layout)
         limit = Limit.of(rate=0.001, burst=50)
         start.wait(60)
         return [t.take("acme", limit, now) for _ in range(n)]
@@ -160,6 +160,25 @@ def test_full_table_admits_and_counts_then_reuses_a_drained_slot(seg_name: str) 
         assert counters.totals(s.view, s.layout)[Counter.LIMITER_TABLE_FULL] == 5
         assert t.usage(later) == (16, 1)
         assert t.reset("newcomer") is True  # it has a slot of its own now
+
+
+def test_usage_finds_the_few_slots_in_use_of_a_full_size_table(seg_name: str) -> None:
+    """A default table (65,536 slots) with three tenants scattered through it: each is
+    found, filling until its bucket drains, whatever its slot."""
+    with Segment.create(seg_name, segmod.make_params()) as s:
+        _usage_of_three(_table(s)[0])
+
+
+def _usage_of_three(t: GcraTable) -> None:
+    assert t.slots == 65_536
+    assert t.usage(NOW) == (0, 0)
+    slow = Limit.of(rate=1, burst=5)
+    late = next(x for x in map(str, range(10_000)) if tenant_hash(x)[0] % t.slots > 60_000)
+    tenants = ["alpha", "beta", late]  # one near the table's end, not only near its start
+    for x in tenants:
+        assert t.take(x, slow, NOW) == 0
+    assert t.usage(NOW) == (3, 3)
+    assert t.usage(NOW + slow.interval_us) == (3, 0)
 
 
 def test_tenant_hash_is_stable_across_interpreters() -> None:

@@ -111,7 +111,7 @@ class Fleet:
             self._row,
         )
         self._degraded = Degraded(seg.view, seg.layout)
-        self._gcra = GcraTable(seg.view, seg.layout, self._row)
+        self._gcra = GcraTable(seg.view, seg.buf, seg.layout, self._row)
         self._settler = Settler(SettleQueue(seg.view, seg.buf, seg.layout), self._row, clock)
 
     # -- the request path -----------------------------------------------------------------

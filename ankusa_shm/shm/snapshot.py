@@ -112,7 +112,7 @@ def take(seg: Segment) -> Snapshot:
     calls, failures = reader.window(now)
     queue = SettleQueue(v, seg.buf, lay)
     hdr = seg.header()
-    limiter = GcraTable(v, lay)
+    limiter = GcraTable(v, seg.buf, lay)
     used, filling = limiter.usage(now_ns // 1000)
     degraded = Degraded(v, lay)
     processes = procs.read(v, lay)
