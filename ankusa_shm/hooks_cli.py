@@ -146,13 +146,6 @@ def _key_text(h: StoredHook) -> str | None:
     return None if h.event_key is None else h.event_key.decode("utf-8", "backslashreplace")
 
 
-def _body_text(h: StoredHook) -> str | None:
-    try:
-        return h.body.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-
-
 def _json(h: StoredHook) -> str:
     return json.dumps(h.doc(), separators=(",", ":"))
 
@@ -185,7 +178,7 @@ def _details(h: StoredHook) -> str:
         "headers:",
         *(f"  {_field(name)}: {_field(value)}" for name, value in h.headers),
     ]
-    text = _body_text(h)
+    text = readers.text(h.body)
     if text is None:
         lines += [f"body ({len(h.body)} bytes, base64):", base64.b64encode(h.body).decode("ascii")]
     else:

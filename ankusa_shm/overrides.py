@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable
 
 from ankusa_shm.limits import Limit
 from ankusa_shm.shm.blob import Blob
+from ankusa_shm.store import readers
+from ankusa_shm.store.schema import StoreError
 
 log = logging.getLogger("ankusa_shm.overrides")
 
@@ -25,6 +28,20 @@ Overrides = dict[str, tuple[float, int]]
 
 def publish(blob: Blob, overrides: Overrides) -> None:
     blob.write({t: [rate, burst] for t, (rate, burst) in sorted(overrides.items())})
+
+
+def publish_stored(blob: Blob, store_path: str) -> None:
+    """Publish the set kept in the store: the supervisor before it forks anyone (a restart
+    serves the overrides from the first hook), the admin process when it starts (one that
+    died between storing a change and publishing it left the two apart). Best effort: the
+    store may not exist yet."""
+    try:
+        stored = readers.overrides(store_path)
+    except StoreError as e:
+        if os.path.exists(store_path):
+            log.warning("tenant overrides not published: %s", e)
+        return
+    publish(blob, stored)
 
 
 def read(blob: Blob) -> dict[str, Limit]:

@@ -62,15 +62,8 @@ class Worker:
         return uvloop.run(self._serve())
 
     async def _recover(self, fleet: Fleet, since_ms: int) -> None:
-        def read() -> list[tuple[str, str, bytes, str, int]]:
-            r = readers.Reader(self._cfg.store.path)
-            try:
-                return r.claimed_since(since_ms)
-            finally:
-                r.close()
-
         try:
-            hooks = await asyncio.get_running_loop().run_in_executor(None, read)
+            hooks = await asyncio.to_thread(readers.claimed_since, self._cfg.store.path, since_ms)
         except StoreError as e:
             log.warning("recovery: cannot read the store: %s", e)
             return

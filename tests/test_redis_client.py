@@ -209,14 +209,17 @@ def test_deadlines_fail_each_waiter_on_time_and_the_replies_stay_in_order(
                     asyncio.ensure_future(c.call("ECHO", "patient")),
                     asyncio.ensure_future(bounded("fast", 0.05)),
                 ]
+                # a deadline already past: refused at once, without a word to the server
+                # (nothing queued behind the stalled requests to swallow a later reply)
+                start = time.monotonic()
+                with pytest.raises(TimeoutError):
+                    await c.pipeline([("ECHO", "too late")], start - 1)
+                assert time.monotonic() - start < 0.05
                 await asyncio.sleep(0.5)
             got = await asyncio.gather(*tasks)
             assert got == [None, b"patient", None]
             assert 0.05 <= failed_after["fast"] < 0.2, failed_after
             assert 0.30 <= failed_after["slow"] < 0.45, failed_after
-            # a deadline already past: refused without a word to the server, nothing wedged
-            with pytest.raises(TimeoutError):
-                await c.pipeline([("ECHO", "too late")], time.monotonic() - 1)
             assert await c.call("ECHO", "after") == b"after"
         finally:
             await c.close()

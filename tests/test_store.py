@@ -782,14 +782,14 @@ def test_every_claim_is_settled_once_from_the_writer_thread(tmp_path: Path) -> N
     def settle(claim: object, result: CommitResult) -> None:
         settled.append((claim, result, threading.current_thread().name))
 
-    first, again, waiting, late = hook(b"k"), hook(b"k"), hook(), hook()
+    first, again, waiting, late, keyless = hook(b"k"), hook(b"k"), hook(), hook(), hook()
 
     async def body() -> list[CommitResult]:
         w = Writer(cfg, settle=settle)
         w.start(asyncio.get_running_loop())
         answers = [await w.commit(first, "c-first")]
         answers.append(await w.commit(again, "c-again"))
-        answers.append(await w.commit(hook(), None))  # no claim: nothing to settle
+        answers.append(await w.commit(keyless, None))  # no claim: nothing to settle
         with Child("hold-flock", cfg.path) as child:
             assert child.line() == "held"
             answers.append(await w.commit(waiting, "c-waiting"))
@@ -803,7 +803,7 @@ def test_every_claim_is_settled_once_from_the_writer_thread(tmp_path: Path) -> N
     assert answers == [
         Committed(first.id),
         AlreadyStored(first.id),
-        Committed(answers[2].hook_id),  # type: ignore[union-attr]
+        Committed(keyless.id),
         UNAVAILABLE,
         UNAVAILABLE,
     ]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 from collections.abc import Callable
 
@@ -81,7 +80,7 @@ async def _serve(
     redis = RedisStore.from_config(cfg.fleet, password) if cfg.fleet_kinds else None
     fleet = Fleet(cfg, seg, slot, redis)  # for resetting buckets, and the breaker's state
     store = StoreCalls(cfg.store)
-    await _publish_stored(store, seg)
+    await asyncio.to_thread(overrides.publish_stored, seg.blob("overrides"), cfg.store.path)
     watch = CommitWatch(CommitWord(seg.view, seg.layout))
     app = App(cfg, seg, fleet, store, ConsumerApi(store, watch), token)
     server = HttpServer(app, Limits.of(cfg.server))
@@ -103,19 +102,6 @@ async def _serve(
     await fleet.close()
     await store.close()
     return 0
-
-
-async def _publish_stored(store: StoreCalls, seg: Segment) -> None:
-    """The stored overrides, published again: the supervisor did before forking, but an
-    admin that died between storing a change and publishing it left the two apart. Best
-    effort: the file may not exist yet."""
-    try:
-        stored = await store.read(lambda r: r.overrides())
-    except StoreError as e:
-        if os.path.exists(store.path):
-            log.warning("tenant overrides not published at start: %s", e)
-        return
-    overrides.publish(seg.blob("overrides"), stored)
 
 
 async def _retention(store: StoreCalls, cfg: config.Store, keep_ms: int) -> None:

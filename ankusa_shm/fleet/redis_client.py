@@ -284,10 +284,7 @@ class Client:
         if conn is None or conn.closed:
             async with _within(deadline):
                 conn = await self._connection()
-        if len(commands) == 1:  # most calls: one admission script
-            payload = pack(*commands[0])
-        else:
-            payload = b"".join([pack(*c) for c in commands])
+        payload = b"".join([pack(*c) for c in commands])
         replies = await conn.request(payload, len(commands), deadline)
         again = [i for i, r in enumerate(replies) if _noscript(r)] if self._scripts else []
         if again:

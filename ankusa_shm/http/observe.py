@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from ankusa_shm.shm import requests
-from ankusa_shm.shm.histograms import LATENCY_BOUNDS_NS, Histogram, HistogramRow
+from ankusa_shm.shm.histograms import Histogram, HistogramRow
 from ankusa_shm.shm.requests import RequestRow
 
 HOOKS_PREFIX = b"/hooks/"
@@ -27,13 +27,14 @@ class Observer:
         self._rows = {HOOKS_PREFIX + s.encode(): rows.offset(r) for s, r in source_rows.items()}
         self._histograms = histograms
         self._latency = histograms.base + Histogram.REQUEST.offset
+        self._latency_bounds = Histogram.REQUEST.bounds  # the row's own, not a copy
 
     def answered(self, path: bytes, status: int, started_ns: int) -> None:
         """The HTTP server's observer: one answer, just before it is written."""
         view = self._view
         row = self._rows.get(path, self._unrouted)
         view.add(row + requests.COLUMN_OFFSETS.get(status, requests.OTHER_OFFSET), 1)
-        view.observe(self._latency, LATENCY_BOUNDS_NS, time.monotonic_ns() - started_ns)
+        view.observe(self._latency, self._latency_bounds, time.monotonic_ns() - started_ns)
 
     def committed(self, waited_ns: int) -> None:
         """The request path: one hook's commit answered after ``waited_ns``."""

@@ -11,10 +11,7 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
-import time
 from pathlib import Path
-
-_POLL_S = 0.005
 
 
 class WriteLock:
@@ -31,26 +28,14 @@ class WriteLock:
     def acquire(self) -> None:
         fcntl.flock(self._fd, fcntl.LOCK_EX)
 
-    def acquire_within(self, timeout_s: float) -> bool:
-        """Poll for the lock; only at boot, where a stuck holder must not hang us."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return True
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    return False
-                time.sleep(_POLL_S)
-
     def wait_within(self, timeout_s: float) -> bool:
         """Wait in line for the lock, as ``acquire`` does, for ``timeout_s`` at most.
 
-        For a process that writes now and then while the writers are busy: writers hand
-        the lock straight on to each other, so a poll like ``acquire_within`` seldom finds
-        it free and would give up under load. A thread waits in ``flock`` instead; given
-        up on, it lets go of the lock as soon as it gets it, unless the next call wants it
-        by then. One caller at a time."""
+        Writers hand the lock straight on to each other, so a poll seldom finds it free
+        and would give up under load (a worker booting beside busy ones, a process that
+        writes now and then). A thread waits in ``flock`` instead; given up on, it lets go
+        of the lock as soon as it gets it, unless the next call wants it by then. One
+        caller at a time."""
         with self._mutex:
             if not self._taker:
                 try:

@@ -45,13 +45,13 @@ class StoredHook:
         when they are UTF-8, else base64 (they are whatever the sender chose)."""
         doc: dict[str, Any] = {"id": self.id, "seq": self.seq}
         doc.update(tenant=self.tenant, source=self.source)
-        key = None if self.event_key is None else _text(self.event_key)
+        key = None if self.event_key is None else text(self.event_key)
         doc["event_key"] = key
         if self.event_key is not None and key is None:
             doc["event_key_base64"] = base64.b64encode(self.event_key).decode("ascii")
         doc["received_ms"] = self.received_ms
         doc["headers"] = [[name, value] for name, value in self.headers]
-        body = _text(self.body)
+        body = text(self.body)
         if body is None:
             doc["body_base64"] = base64.b64encode(self.body).decode("ascii")
         else:
@@ -75,19 +75,20 @@ _DOC_HEAD = (
 
 def _doc_tail(key: bytes | None, body: bytes) -> str:
     """The rest of ``StoredHook.doc()``'s document, from ``,"event_key"`` to ``}``."""
-    text = None if key is None else _text(key)
-    parts = [',"event_key":', "null" if text is None else _json_str(text)]
-    if key is not None and text is None:
+    key_text = None if key is None else text(key)
+    parts = [',"event_key":', "null" if key_text is None else _json_str(key_text)]
+    if key is not None and key_text is None:
         parts += [',"event_key_base64":"', base64.b64encode(key).decode("ascii"), '"']
-    text = _text(body)
-    if text is None:
+    body_text = text(body)
+    if body_text is None:
         parts += [',"body_base64":"', base64.b64encode(body).decode("ascii"), '"}']
     else:
-        parts += [',"body":', _json_str(text), "}"]
+        parts += [',"body":', _json_str(body_text), "}"]
     return "".join(parts)
 
 
-def _text(data: bytes) -> str | None:
+def text(data: bytes) -> str | None:
+    """``data`` as UTF-8 text, or None when it is not (then it is shown as base64)."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
@@ -253,6 +254,11 @@ def latest(path: str | Path, n: int) -> list[StoredHook]:
 def get(path: str | Path, hook_id: str) -> StoredHook | None:
     """See ``Reader.get``."""
     return _once(path, lambda r: r.get(hook_id))
+
+
+def claimed_since(path: str | Path, received_ms: int) -> list[tuple[str, str, bytes, str, int]]:
+    """``Reader.claimed_since`` on a reader of its own."""
+    return _once(path, lambda r: r.claimed_since(received_ms))
 
 
 def count(path: str | Path) -> int:

@@ -337,7 +337,7 @@ class Writer:
                 gone.append(queue.popleft())
             self.stats.expired += len(gone)
             next_ns = queue[0].submitted_ns + self._timeout_ns - now if queue else None
-        _settle(self._outcomes(gone, [UNAVAILABLE] * len(gone)))
+        _settle(self._unavailable(gone))
         if next_ns is not None and self._loop is not None:
             delay = max(0.001, next_ns / 1e9)
             self._expiry = self._loop.call_later(delay, self._expire)
@@ -346,6 +346,10 @@ class Writer:
         if claim is not None and self._settle_claim is not None:
             self._settle_claim(claim, result)
         return result
+
+    def _unavailable(self, items: Sequence[_Item]) -> Answers:
+        """``_outcomes`` of items that were not, and will not be, written."""
+        return self._outcomes(items, [UNAVAILABLE] * len(items))
 
     def _outcomes(self, items: Sequence[_Item], results: Sequence[CommitResult]) -> Answers:
         """Settle each item's claim with its result; the answers to hand back."""
@@ -375,7 +379,7 @@ class Writer:
                 self._accepting = False
             batch, late = self._take(everything=True)  # empty, unless the thread failed
             gone = batch + late
-            self._hand_back(self._outcomes(gone, [UNAVAILABLE] * len(gone)))
+            self._hand_back(self._unavailable(gone))
             self._finish_sweep(0)
             self._drop_connection()
             if self._lock is not None:
@@ -391,7 +395,7 @@ class Writer:
             self._lock = WriteLock(schema.lock_path(self.path))
         except OSError as e:
             raise StoreError(f"{self.path}: cannot open: {e.strerror}") from None
-        if not self._lock.acquire_within(self.cfg.lock_timeout_ms / 1000):
+        if not self._lock.wait_within(self.cfg.lock_timeout_ms / 1000):
             self._lock.close()
             raise StoreError(
                 f"{self.path}: another writer held the lock for over {self.cfg.lock_timeout_ms} ms"
@@ -605,9 +609,9 @@ class Writer:
             batch, late = self._take(everything=True)
             self.stats.not_stored += len(batch)
             gone = batch + late
-            return self._outcomes(gone, [UNAVAILABLE] * len(gone))
+            return self._unavailable(gone)
         batch, late = self._take(everything=False)
-        answers = self._outcomes(late, [UNAVAILABLE] * len(late))
+        answers = self._unavailable(late)
         if not batch:
             with contextlib.suppress(sqlite3.Error):
                 conn.execute("ROLLBACK")

@@ -41,8 +41,6 @@ from ankusa_shm.config import Config
 from ankusa_shm.shm import procs, requests
 from ankusa_shm.shm.procs import Role
 from ankusa_shm.shm.segment import Segment, make_params
-from ankusa_shm.store import readers
-from ankusa_shm.store.schema import StoreError
 from ankusa_shm.supervisor import sockets as socks
 from ankusa_shm.supervisor.notify import Notifier
 
@@ -135,7 +133,7 @@ class Arbiter:
             self._recover_since_ms = _recovery_start(cfg)
         try:
             self._publish(cfg)
-            _publish_overrides(self._seg, cfg)
+            overrides.publish_stored(self._seg.blob("overrides"), cfg.store.path)
             self._listeners = socks.Listeners(cfg.server.listen, cfg.server.backlog)
             if cfg.server.admin_listen:
                 (self._admin_socket,) = socks.bind([cfg.server.admin_listen], ADMIN_BACKLOG)
@@ -550,19 +548,6 @@ def _recovery_start(cfg: Config) -> int:
     committed at most ``lock_timeout_ms`` after it was received, and a second more
     covers the transaction itself."""
     return time.time_ns() // 1_000_000 - cfg.store.lock_timeout_ms - 1_000
-
-
-def _publish_overrides(seg: Segment, cfg: Config) -> None:
-    """The tenant overrides kept in the store, published before any worker starts, so a
-    restart serves them from the first hook (the admin process publishes them again when
-    it starts, and every change after)."""
-    try:
-        stored = readers.overrides(cfg.store.path)
-    except StoreError as e:
-        if os.path.exists(cfg.store.path):
-            log.warning("tenant overrides not read at start: %s", e)
-        return
-    overrides.publish(seg.blob("overrides"), stored)
 
 
 def _kill(pid: int, sig: int) -> None:
