@@ -171,7 +171,10 @@ class Store:
         "fsync", "fsync: each commit batch is on disk; os: left to the OS."
     )
     commit_wait_ms: int = setting(
-        1, "How long a batch's first hook waits for company; 0: not at all.", between(0, 50)
+        0,
+        "How long a batch's first hook may wait for company; 0: no longer than the event"
+        " loop's turn in which it came.",
+        between(0, 50),
     )
     max_batch: int = setting(256, "Hooks in one transaction at most.", between(1, 10_000))
     lock_timeout_ms: int = setting(

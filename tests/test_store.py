@@ -161,7 +161,7 @@ class Child:
 def test_store_settings_defaults_and_ranges() -> None:
     s = config.defaults().store
     assert (s.commit_wait_ms, s.max_batch, s.lock_timeout_ms, s.sweep_interval_s) == (
-        1,
+        0,
         256,
         5_000,
         60,
@@ -388,6 +388,23 @@ def test_group_commit_groups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert readers.count(cfg.path) == n
     assert -(-n // 64) <= batches < n // 4
     assert largest <= 64
+
+
+def test_one_turn_of_the_loop_is_one_batch(tmp_path: Path) -> None:
+    """Without any wait, the hooks queued in one turn of the event loop share one
+    transaction: the thread is woken when the turn ends, not by the first of them; and
+    what a later turn queues is the next transaction's."""
+    cfg = store_cfg(tmp_path, commit_wait_ms=0, max_batch=64)
+
+    async def body() -> tuple[int, int, int]:
+        async with started(cfg) as w:
+            await asyncio.gather(*(w.commit(hook(b"t%d" % i)) for i in range(40)))
+            first = w.stats.batches
+            await asyncio.gather(*(w.commit(hook(b"u%d" % i)) for i in range(40)))
+            return first, w.stats.batches, w.stats.largest
+
+    assert run(body) == (1, 2, 40)
+    assert readers.count(cfg.path) == 80
 
 
 def test_group_commit_without_wait(tmp_path: Path) -> None:

@@ -5,6 +5,13 @@ with its own SQLite connection turns whatever is queued into one transaction -- 
 to the WAL and one fsync for up to ``max_batch`` hooks -- and hands every answer of the
 batch back to the event loop in one ``call_soon_threadsafe``.
 
+A batch starts when the event loop has finished the turn in which its hooks were queued:
+requests read together are answered together, and none waits on a timer for company that
+is not coming (a fixed wait put a millisecond into every hook's latency, and the loop had
+nothing to do meanwhile). The first hook of a turn schedules a callback that marks what is
+queued as ripe; a thread still busy with the last transaction takes everything ripe by
+then. ``commit_wait_ms`` adds a wait after that, for loads that arrive spread out.
+
 Several worker processes write the same file. SQLite's own busy handler sleeps and retries,
 and a writer that keeps losing the retry starves; so writers take turns on a kernel lock
 instead, ``flock`` on ``<db>.lock``: a waiter is woken the moment the holder lets go, and
@@ -239,11 +246,13 @@ class Writer:
         self._cond = threading.Condition(self._mutex)
         self._queue: collections.deque[_Item] = collections.deque()
         self._wake_at = _NEVER  # queue length at which commit() wakes the thread
+        self._ripe = 0  # how many of the queue's first hooks the loop has ended a turn with
         self._stopping = False
         self._sweep_waiters: list[asyncio.Future[int]] = []
         # The event loop's:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._accepting = False
+        self._turn_ends = False  # _end_turn is scheduled
         self._expiry: asyncio.TimerHandle | None = None
         self._done: asyncio.Future[None] | None = None
         self._thread: threading.Thread | None = None
@@ -291,6 +300,9 @@ class Writer:
             self._queue.append(_Item(hook, future, time.monotonic_ns(), claim))
             if len(self._queue) >= self._wake_at:
                 self._cond.notify()
+        if not self._turn_ends:
+            self._turn_ends = True
+            loop.call_soon(self._end_turn)
         if self._expiry is None:
             self._expiry = loop.call_later(self.cfg.lock_timeout_ms / 1000, self._expire)
         return await future
@@ -326,6 +338,15 @@ class Writer:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(done), self.cfg.close_wait_s)
 
+    def _end_turn(self) -> None:
+        """After the callbacks that were ready with the turn's first commit: what is queued
+        now is a batch, unless the thread is busy (then it takes it when it is done)."""
+        self._turn_ends = False
+        with self._mutex:
+            self._ripe = len(self._queue)
+            if self._ripe and self._wake_at != _NEVER:
+                self._cond.notify()
+
     def _expire(self) -> None:
         """Timer: answer the hooks that have waited ``lock_timeout_ms`` for a transaction."""
         self._expiry = None
@@ -335,6 +356,7 @@ class Writer:
             queue = self._queue
             while queue and now - queue[0].submitted_ns >= self._timeout_ns:
                 gone.append(queue.popleft())
+            self._ripe = max(0, self._ripe - len(gone))
             self.stats.expired += len(gone)
             next_ns = queue[0].submitted_ns + self._timeout_ns - now if queue else None
         _settle(self._unavailable(gone))
@@ -459,17 +481,22 @@ class Writer:
                 self._checkpoint()
 
     def _wait_for_work(self, sweep_at: float) -> None:
-        """Under ``_cond``: sleep until hooks arrive, a sweep is due or asked for, or stop;
-        then give the first hook's batch up to ``commit_wait_ms`` to fill."""
-        while not (self._queue or self._stopping or self._sweep_waiters):
+        """Under ``_cond``: sleep until a batch is ripe (or ``max_batch`` hooks are queued),
+        a sweep is due or asked for, or stop; then give the batch's first hook up to
+        ``commit_wait_ms`` in all to find company."""
+        self._wake_at = self._max_batch
+        while not (
+            self._ripe
+            or len(self._queue) >= self._max_batch
+            or self._stopping
+            or self._sweep_waiters
+        ):
             left = sweep_at - time.monotonic()
             if left <= 0:
                 break
-            self._wake_at = 1
             self._cond.wait(left)
         if self._queue and self._wait_ns and not self._stopping:
             until = self._queue[0].submitted_ns + self._wait_ns
-            self._wake_at = self._max_batch
             while len(self._queue) < self._max_batch and not self._stopping:
                 left_ns = until - time.monotonic_ns()
                 if left_ns <= 0:
@@ -488,6 +515,7 @@ class Writer:
             while queue and (everything or len(batch) < self._max_batch):
                 item = queue.popleft()
                 (late if now - item.submitted_ns >= self._timeout_ns else batch).append(item)
+            self._ripe = max(0, self._ripe - len(batch) - len(late))
             self.stats.expired += len(late)
         return batch, late
 
