@@ -32,9 +32,11 @@ class Envelope:
     event_key: bytes | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class NewHook:
-    """A verified, admitted hook on its way into the host's store."""
+    """A verified, admitted hook on its way into the host's store. Not frozen, though
+    nothing changes it: a frozen dataclass's ``__init__`` sets each field through
+    ``object.__setattr__``, three times the cost, and one is built per hook."""
 
     id: str
     tenant: str

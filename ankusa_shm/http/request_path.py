@@ -132,7 +132,7 @@ class RequestPath:
             event_key=key,
             dedupe_ttl_s=source.dedupe_ttl_s,
             received_ms=wall_ms,
-            headers=tuple(p for p in req.headers if p[0] not in _NOT_KEPT),
+            headers=tuple([p for p in req.headers if p[0] not in _NOT_KEPT]),
             body=req.body,
         )
         began = time.monotonic_ns()
