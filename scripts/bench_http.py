@@ -16,7 +16,16 @@ them; none repeats within a run, and a wrap-around would be counted and shown.
 Afterwards each store is counted: every 201 must be a stored row (rows may exceed 201s by
 the requests still in flight when wrk stopped, at most CONNECTIONS). The figures are 201s
 per second ("accepted durable hooks/s"), latency p50/p99/max, wrk's own CPU, and the
-ratios; the last line is one JSON object. Name targets to run only those:
+ratios; the last line is one JSON object.
+
+The latencies are wrk's, corrected for coordinated omission: before it reports, wrk adds
+to each response slower than a connection's mean interval between requests the samples
+of the requests that connection would have sent meanwhile. So p99 reads as an open-loop
+sender would see it, and one stall of every connection weighs far more than its count:
+a single 170 ms stall in a 10 s run at 16 k hooks/s puts p99 near 75 ms. The stalls seen
+here were single fsyncs of the log that took 40-220 ms (the disk, once in a few runs).
+
+Name targets to run only those:
 
   .venv/bin/python scripts/bench_http.py [bare] [node] [fleet] [peer]
 """
