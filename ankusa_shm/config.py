@@ -67,7 +67,8 @@ def between(lo: float, hi: float) -> Check:
     return lambda v: None if lo <= v <= hi else f"must be between {lo} and {hi}"
 
 
-def _name(v: str) -> str | None:
+def name_problem(v: str) -> str | None:
+    """What is wrong with ``v`` as a name (a source, a tenant, a segment, a consumer)."""
     return None if _NAME.match(v) else f"must be 1-{MAX_NAME} characters of A-Z a-z 0-9 _ . -"
 
 
@@ -140,7 +141,7 @@ class Server:
         10.0, "A child whose event loop is silent this long is restarted.", between(1, 3_600)
     )
     backlog: int = setting(2_048, "Listen backlog of each address.", between(1, 65_535))
-    segment: str = setting("ankusa-shm", "Name of the shared-memory segment.", _name)
+    segment: str = setting("ankusa-shm", "Name of the shared-memory segment.", name_problem)
 
 
 # store.retention: a whole number and a unit, e.g. '7d'; [0-9], since \d takes any digit.
@@ -242,7 +243,7 @@ class Fleet:
     password_env: str = setting("", "Environment variable holding the Redis password.")
     password_file: str = setting("", "File holding the Redis password.")
     tls_ca_file: str = setting("", "CA bundle for rediss:// (default: the system's).")
-    key_prefix: str = setting("ankusa", "Prefix of every fleet key.", _name)
+    key_prefix: str = setting("ankusa", "Prefix of every fleet key.", name_problem)
     timeout_ms: int = setting(20, "Hard budget of one store call.", between(1, 10_000))
     breaker_failure_rate: float = setting(
         0.5, "Failed share of calls that opens the breaker.", between(0.01, 1.0)
@@ -391,8 +392,8 @@ class SourceDedupe:
 
 @dataclass(frozen=True)
 class Source:
-    id: str = required("Path segment: POST /hooks/{id}.", _name)
-    tenant: str = required("Tenant whose rate limit this source draws on.", _name)
+    id: str = required("Path segment: POST /hooks/{id}.", name_problem)
+    tenant: str = required("Tenant whose rate limit this source draws on.", name_problem)
     verify: Verify = setting(Verify(), "Signature verification.")
     dedupe: SourceDedupe | None = setting(None, "How the event key is found.")
 
@@ -516,8 +517,8 @@ def _convert(tp: Any, v: Any, origin: str, key: str) -> Any:
             raise bad("a table")
         _, item = typing.get_args(tp)
         for k in v:
-            if _name(k):
-                raise ConfigError(f"{origin}: {key}.{_shown(k)}: {_name(k)}")
+            if name_problem(k):
+                raise ConfigError(f"{origin}: {key}.{_shown(k)}: {name_problem(k)}")
         return {k: _convert(item, x, origin, f"{key}.{k}") for k, x in v.items()}
     if dataclasses.is_dataclass(tp):
         return _build(typing.cast(type[Any], tp), v, origin, key)

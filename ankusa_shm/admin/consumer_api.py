@@ -20,15 +20,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ankusa_shm.admin.stores import StoreCalls
+from ankusa_shm.config import name_problem
 from ankusa_shm.shm.commits import CommitWord
-from ankusa_shm.shm.layout import MAX_NAME
 
 POLL_S = 0.005
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000
 MAX_WAIT_S = 60.0
-# The config's name rule (sources, tenants), for consumer names too.
-NAME = re.compile(rf"^[A-Za-z0-9_.-]{{1,{MAX_NAME}}}\Z")
 _WHOLE = re.compile(r"^[0-9]{1,18}\Z")
 _SECONDS = re.compile(r"^[0-9]{1,2}(\.[0-9]{1,3})?\Z")
 
@@ -71,8 +69,9 @@ def parse_query(query: bytes) -> PageQuery:
     if source is not None and not source:
         raise BadQuery("source", "must not be empty")
     consumer = given.get("consumer")
-    if consumer is not None and not NAME.match(consumer):
-        raise BadQuery("consumer", f"must be 1-{MAX_NAME} characters of A-Z a-z 0-9 _ . -")
+    problem = None if consumer is None else name_problem(consumer)
+    if problem:
+        raise BadQuery("consumer", problem)
     return PageQuery(
         after,
         DEFAULT_LIMIT if limit is None else limit,
@@ -172,16 +171,16 @@ class ConsumerApi:
         return 200, found.doc()
 
     async def consumer(self, name: str) -> Reply:
-        if not NAME.match(name):
-            return 400, {"error": "invalid_consumer", "detail": _NAME_RULE}
+        if problem := name_problem(name):
+            return 400, _bad_consumer(problem)
         cursor = await self._store.read(lambda r: r.consumer(name))
         if cursor is None:
             return 404, {"error": "unknown_consumer"}
         return 200, {"consumer": name, "cursor": cursor}
 
     async def ack(self, name: str, body: bytes) -> Reply:
-        if not NAME.match(name):
-            return 400, {"error": "invalid_consumer", "detail": _NAME_RULE}
+        if problem := name_problem(name):
+            return 400, _bad_consumer(problem)
         try:
             doc = json.loads(body)
         except ValueError:  # UnicodeDecodeError too
@@ -201,7 +200,8 @@ class ConsumerApi:
         return 200, {"consumer": name, "cursor": stored}
 
 
-_NAME_RULE = f"a consumer name is 1-{MAX_NAME} characters of A-Z a-z 0-9 _ . -"
+def _bad_consumer(problem: str) -> dict[str, Any]:
+    return {"error": "invalid_consumer", "detail": f"a consumer name {problem}"}
 
 
 def _bad_ack(field: str, detail: str) -> dict[str, Any]:
