@@ -172,7 +172,7 @@ class Control:
         return self._lock
 
     def _transaction(self, what: str, body: Callable[[sqlite3.Connection], T]) -> T:
-        conn = self._connection(what)
+        conn = self._connection()
         try:
             conn.execute("BEGIN IMMEDIATE")
             try:
@@ -188,30 +188,15 @@ class Control:
             raise StoreError(f"{self.path}: {what}: {e}") from None
         return result
 
-    def _connection(self, what: str) -> sqlite3.Connection:
+    def _connection(self) -> sqlite3.Connection:
         """The open connection, or a new one (the schema created or brought up to date:
         we hold the lock, as the writers do when they open theirs)."""
         if self._conn is not None:
             return self._conn
-        try:
-            conn = schema.connect(
-                self.path,
-                self.cfg.durability,
-                self.cfg.lock_timeout_ms,
-                autocheckpoint=False,
-                any_thread=True,
-            )
-        except sqlite3.Error as e:
-            raise StoreError(f"{self.path}: {what}: cannot open: {e}") from None
-        try:
-            schema.ensure_schema(conn, self.path)
-        except BaseException as e:
-            conn.close()
-            if isinstance(e, sqlite3.Error):
-                raise StoreError(f"{self.path}: {what}: cannot open: {e}") from None
-            raise
-        self._conn = conn
-        return conn
+        self._conn = schema.open_writer(
+            self.path, self.cfg.durability, self.cfg.lock_timeout_ms, any_thread=True
+        )
+        return self._conn
 
     def _checkpoint(self) -> None:
         """Without the lock: copy the log into the database (PASSIVE: it waits for no one

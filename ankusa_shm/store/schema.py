@@ -123,6 +123,32 @@ def connect(
     return conn
 
 
+def open_writer(
+    path: str | Path, durability: Durability, busy_timeout_ms: int, *, any_thread: bool = False
+) -> sqlite3.Connection:
+    """A writer's connection (the workers' and the admin process's): ``connect`` without
+    automatic checkpoints, its directory made and the schema created or brought up to
+    date -- so open it holding the writers' lock. Any failure is a ``StoreError`` that
+    names the file; nothing is left open."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        conn = connect(
+            path, durability, busy_timeout_ms, autocheckpoint=False, any_thread=any_thread
+        )
+    except OSError as e:
+        raise StoreError(f"{path}: cannot open: {e.strerror}") from None
+    except sqlite3.Error as e:
+        raise StoreError(f"{path}: cannot open: {e}") from None
+    try:
+        ensure_schema(conn, path)
+    except BaseException as e:
+        conn.close()
+        if isinstance(e, sqlite3.Error):
+            raise StoreError(f"{path}: cannot open: {e}") from None
+        raise
+    return conn
+
+
 def connect_ro(
     path: str | Path, busy_timeout_ms: int = 1_000, *, any_thread: bool = False
 ) -> sqlite3.Connection:

@@ -431,24 +431,7 @@ class Writer:
         self._lock.release()
 
     def _connect(self) -> sqlite3.Connection:
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            conn = schema.connect(
-                self.path, self.cfg.durability, self.cfg.lock_timeout_ms, autocheckpoint=False
-            )
-        except OSError as e:
-            raise StoreError(f"{self.path}: cannot open: {e.strerror}") from None
-        except sqlite3.Error as e:
-            raise StoreError(f"{self.path}: cannot open: {e}") from None
-        try:
-            schema.ensure_schema(conn, self.path)
-        except sqlite3.Error as e:
-            conn.close()
-            raise StoreError(f"{self.path}: cannot open: {e}") from None
-        except StoreError:
-            conn.close()
-            raise
-        return conn
+        return schema.open_writer(self.path, self.cfg.durability, self.cfg.lock_timeout_ms)
 
     def _drop_connection(self) -> None:
         if self._conn is not None:
