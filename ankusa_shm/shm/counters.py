@@ -116,14 +116,24 @@ def claimed_slots(view: AtomicView, lay: L.Layout) -> list[int]:
     ]
 
 
+def summed_rows(
+    view: AtomicView, lay: L.Layout, region: str, row_bytes: int, words: int
+) -> list[int]:
+    """The first ``words`` words of ``region``'s per-process rows, each summed over the
+    claimed slots: how every table of per-process counts (counters, requests,
+    histograms) is read as one."""
+    base = lay.offset(region)
+    out = [0] * words
+    for slot in claimed_slots(view, lay):
+        row = base + slot * row_bytes
+        for i in range(words):
+            v = view.load(row + i * L.WORD)
+            if v:
+                out[i] += v
+    return out
+
+
 def totals(view: AtomicView, lay: L.Layout) -> dict[Counter, int]:
     """Every row summed. Rows only grow, so a later sum is never below an earlier one."""
-    out = dict.fromkeys(Counter, 0)
-    base = lay.offset("counters")
-    for slot in claimed_slots(view, lay):
-        row = base + slot * lay.counter_row
-        for c in Counter:
-            v = view.load(row + c.offset)
-            if v:
-                out[c] += v
-    return out
+    sums = summed_rows(view, lay, "counters", lay.counter_row, len(Counter))
+    return {c: sums[c.offset // L.WORD] for c in Counter}

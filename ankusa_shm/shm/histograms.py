@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ankusa_shm._atomics import AtomicView
 from ankusa_shm.shm import layout as L
-from ankusa_shm.shm.counters import claimed_slots
+from ankusa_shm.shm.counters import summed_rows
 
 _MS = 1_000_000  # ns
 LATENCY_BOUNDS_NS = tuple(
@@ -115,15 +115,10 @@ def quantile(cumulative: Sequence[tuple[float, int]], q: float) -> float | None:
 
 
 def totals(view: AtomicView, lay: L.Layout) -> dict[Histogram, Totals]:
-    rows = [lay.offset("histograms") + i * lay.histogram_row for i in claimed_slots(view, lay)]
+    sums = summed_rows(view, lay, "histograms", lay.histogram_row, WORDS)
     out = {}
     for h in Histogram:
-        n = len(h.bounds) + 1
-        buckets = [0] * n
-        total = 0
-        for row in rows:
-            for i in range(n):
-                buckets[i] += view.load(row + h.offset + i * L.WORD)
-            total += view.load(row + h.sum_offset)
-        out[h] = Totals(h, tuple(buckets), total)
+        first = h.offset // L.WORD
+        buckets = tuple(sums[first : first + len(h.bounds) + 1])
+        out[h] = Totals(h, buckets, sums[h.sum_offset // L.WORD])
     return out

@@ -13,7 +13,7 @@ from __future__ import annotations
 from ankusa_shm._atomics import AtomicView
 from ankusa_shm.shm import layout as L
 from ankusa_shm.shm.blob import Blob
-from ankusa_shm.shm.counters import claimed_slots
+from ankusa_shm.shm.counters import summed_rows
 
 STATUSES = (201, 400, 401, 404, 405, 408, 409, 413, 429, 431, 500, 503)
 OTHER_STATUS = len(STATUSES)  # the column of any status not listed
@@ -81,12 +81,5 @@ class RequestRow:
 
 def totals(view: AtomicView, lay: L.Layout) -> dict[tuple[int, int], int]:
     """(source row, status column) -> requests, for every cell that counted any."""
-    out: dict[tuple[int, int], int] = {}
-    for slot in claimed_slots(view, lay):
-        base = lay.offset("requests") + slot * lay.request_row
-        for cell in range(L.SOURCE_ROWS * COLUMNS):
-            n = view.load(base + cell * L.WORD)
-            if n:
-                key = divmod(cell, COLUMNS)
-                out[key] = out.get(key, 0) + n
-    return out
+    sums = summed_rows(view, lay, "requests", lay.request_row, L.SOURCE_ROWS * COLUMNS)
+    return {divmod(cell, COLUMNS): n for cell, n in enumerate(sums) if n}
