@@ -118,10 +118,16 @@ def test_inspect_of_a_deeply_nested_blob_is_one_line(seg_name: str, region: str)
         base = seg.layout.offset(region)
         seg.buf[base + L.BLOB_DATA : base + L.BLOB_DATA + len(doc)] = doc
         seg.view.store(base + L.BLOB_LENGTH, len(doc))
-        err = io.StringIO()
+        out, err = io.StringIO(), io.StringIO()
         with redirect_stderr(err):
-            code = inspect.run(seg_name, True, None, out=io.StringIO())
+            code = inspect.run(seg_name, True, None, out=out)
     assert code in (0, inspect.EXIT_UNUSABLE)
+    said = out.getvalue() if code == 0 else err.getvalue()
+    assert said.count("\n") == 1 and said.endswith("\n"), said[:200]
+    if code == 0:
+        json.loads(said)  # the snapshot, with the blob shown as unreadable
+    else:
+        assert said.startswith("ankusa-shm inspect: ") and not out.getvalue()
 
 
 @pytest.fixture
