@@ -191,9 +191,9 @@ class ConsumerApi:
         if unknown is not None:
             return 400, _bad_ack(unknown, "unknown key")
         cursor = doc.get("cursor")
-        if isinstance(cursor, bool) or not isinstance(cursor, int) or cursor < 0:
-            return 400, _bad_ack("cursor", f"must be a whole number of at least 0, not {cursor!r}")
-        try:
+        if isinstance(cursor, bool) or not isinstance(cursor, int):
+            return 400, _bad_ack("cursor", f"must be a whole number, not {cursor!r}")
+        try:  # the store refuses a cursor it cannot hold: negative, or past the last seq
             stored = await self._store.write(lambda c: c.ack(name, cursor))
         except ValueError as e:
             return 400, _bad_ack("cursor", str(e))
