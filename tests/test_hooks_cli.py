@@ -1,12 +1,11 @@
 """``ankusa-shm hooks``: list, show, tail and tail --follow over a real store file.
 
-Until ``cli.py`` wires the command in, the tests build a parser with ``add_parser`` and
-call ``run``; ``--follow`` runs in a separate process (``python -c``) stopped by SIGTERM.
+Through the command's own entry point: ``cli.main`` in this process, and for ``--follow``
+``python -m ankusa_shm`` in a separate one, stopped by SIGTERM.
 """
 
 from __future__ import annotations
 
-import argparse
 import base64
 import json
 import os
@@ -20,22 +19,10 @@ from pathlib import Path
 import pytest
 from test_store import hook, run, started, store_cfg
 
-from ankusa_shm import config, hooks_cli
+from ankusa_shm import cli, config
 from ankusa_shm.hooks import Committed, NewHook
 
-FOLLOW = """
-import argparse, sys
-from ankusa_shm import hooks_cli
-p = argparse.ArgumentParser(prog="ankusa-shm")
-hooks_cli.add_parser(p.add_subparsers(dest="command", required=True))
-sys.exit(hooks_cli.run(p.parse_args(sys.argv[1:])))
-"""
-
-
-def parse(*argv: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="ankusa-shm")
-    hooks_cli.add_parser(p.add_subparsers(dest="command", required=True))
-    return p.parse_args(argv)
+COMMAND = [sys.executable, "-m", "ankusa_shm"]
 
 
 def commit(cfg: config.Store, hooks: list[NewHook]) -> None:
@@ -56,7 +43,7 @@ def config_file(tmp_path: Path) -> tuple[str, config.Store]:
 
 def hooks_cmd(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, list[str], str]:
     """Run ``ankusa-shm hooks ARGV``: exit status, stdout lines, stderr."""
-    status = hooks_cli.run(parse("hooks", *argv))
+    status = cli.main(["hooks", *argv])
     out, err = capsys.readouterr()
     return status, out.splitlines(), err
 
@@ -206,7 +193,7 @@ def test_tail_follow_prints_each_new_hook_once_in_order(tmp_path: Path) -> None:
     commit(cfg, first)
     argv = ["hooks", "tail", "-n", "2", "-f", "--json", "--config", toml]
     proc = subprocess.Popen(
-        [sys.executable, "-c", FOLLOW, *argv],
+        [*COMMAND, *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
@@ -239,7 +226,7 @@ def test_tail_follow_prints_each_new_hook_once_in_order(tmp_path: Path) -> None:
 def test_tail_follow_stops_with_one_line_when_the_store_is_missing(tmp_path: Path) -> None:
     toml, _ = config_file(tmp_path)
     done = subprocess.run(
-        [sys.executable, "-c", FOLLOW, "hooks", "tail", "-f", "--config", toml],
+        [*COMMAND, "hooks", "tail", "-f", "--config", toml],
         capture_output=True,
         timeout=30,
     )
