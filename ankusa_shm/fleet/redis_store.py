@@ -108,7 +108,8 @@ class RedisStore:
             token.hex(),
             pending_ttl_ms,
         )
-        (reply,) = await self._run(ADMIT, [(keys, args)], deadline)
+        command = ("EVALSHA", ADMIT.sha, 2, *keys, *args)
+        (reply,) = await self.client.send([(rate_key, command)], deadline)
         if isinstance(reply, ReplyError):
             raise reply
         return int(reply[0]), reply[1] if len(reply) > 1 else 0

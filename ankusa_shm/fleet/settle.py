@@ -24,9 +24,11 @@ log = logging.getLogger("ankusa_shm.fleet")
 UNKNOWN = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Claim:
-    """A dedupe key this host may hold as pending, and the token that proves it.
+    """A dedupe key this host may hold as pending, and the token that proves it. Never
+    changed once made (not frozen only because that triples ``__init__``'s cost, and
+    admission makes two per hook).
 
     ``claimed_ms`` is the latest moment (this host's monotonic ms) at which the store can
     have written the claim: when its call was answered. A call that timed out or failed

@@ -15,10 +15,14 @@ WARN_EVERY_MS = 60_000
 class Degraded:
     def __init__(self, view: AtomicView, lay: L.Layout) -> None:
         self._view = view
-        self._base = lay.offset("degraded")
+        base = lay.offset("degraded")
+        self._lines = {kind: base + i * L.LINE for i, kind in enumerate(L.KINDS)}
 
     def _line(self, kind: str) -> int:
-        return self._base + L.KINDS.index(kind) * L.LINE
+        try:
+            return self._lines[kind]
+        except KeyError:
+            raise ValueError(f"no degraded flag of kind {kind!r}") from None
 
     def set(self, kind: str, on: bool) -> bool:
         """Set the flag; True if this call changed it."""
