@@ -201,7 +201,9 @@ def test_hup_applies_a_new_limit_without_refusing_a_connection(
     stop.set()
     t.join()
     assert refused == []
-    assert not set(before) & set(svc.pids("worker"))  # every worker was replaced
+    # READY=1 comes once every old worker is told to stop; each still finishes its
+    # requests in flight before it exits
+    wait_until(lambda: not set(before) & set(svc.pids("worker")), what="every worker replaced")
     assert svc.post("github", b"{}", signed(b"{}")).status == 201
 
     svc.config_path.write_text("[rate_limits]\nscope = 'planet'\n")
