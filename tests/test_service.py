@@ -77,6 +77,28 @@ def test_a_signed_hook_is_stored_and_its_resend_is_a_duplicate(svc: Service) -> 
     assert readers.count(svc.store_path) == 1
 
 
+def test_a_chunked_hook_is_stored_whole_and_its_trailer_is_not_kept(svc: Service) -> None:
+    """A chunked body is verified and stored as one; a trailer field is not a header
+    (RFC 9110 6.5.1): not kept with the hook, and no way to smuggle in a signature."""
+    body = b'{"ref":"refs/heads/main","chunked":true}'
+    head = "".join(f"{k}: {v}\r\n" for k, v in signed(body, "delivery-chunked").items())
+    chunks = b"%x\r\n%s\r\n%x\r\n%s\r\n" % (10, body[:10], len(body) - 10, body[10:])
+    out = raw(
+        svc,
+        b"POST /hooks/github HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
+        + head.encode()
+        + b"transfer-encoding: chunked\r\n\r\n"
+        + chunks
+        + b"0\r\nx-trailer: sneaky\r\n\r\n",
+    )
+    assert out.startswith(b"HTTP/1.1 201 "), out
+    answer = json.loads(out.partition(b"\r\n\r\n")[2])
+    hook = readers.get(svc.store_path, answer["id"])
+    assert hook is not None and hook.body == body and hook.event_key == b"delivery-chunked"
+    names = [name for name, _ in hook.headers]
+    assert "x-github-event" in names and "x-trailer" not in names
+
+
 def test_a_forgery_is_refused_and_costs_the_tenant_nothing(svc: Service) -> None:
     body = b'{"n":1}'
     for _ in range(5):  # more forgeries than the tenant's burst of 2

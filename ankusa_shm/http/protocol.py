@@ -208,7 +208,8 @@ class Connection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         # Only kept here (a call per header is the parser's costliest part); decoded
-        # all at once when the headers are complete.
+        # all at once when the headers are complete. A chunked body's trailer fields
+        # come after that: counted against the limit, never taken for headers.
         self._count_header_bytes(len(name) + len(value) + 4)
         self._raw_headers.append((name, value))
 
