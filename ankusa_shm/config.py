@@ -517,8 +517,8 @@ def _convert(tp: Any, v: Any, origin: str, key: str) -> Any:
             raise bad("a table")
         _, item = typing.get_args(tp)
         for k in v:
-            if name_problem(k):
-                raise ConfigError(f"{origin}: {key}.{_shown(k)}: {name_problem(k)}")
+            if problem := name_problem(k):
+                raise ConfigError(f"{origin}: {key}.{_shown(k)}: {problem}")
         return {k: _convert(item, x, origin, f"{key}.{k}") for k, x in v.items()}
     if dataclasses.is_dataclass(tp):
         return _build(typing.cast(type[Any], tp), v, origin, key)

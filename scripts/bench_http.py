@@ -22,8 +22,7 @@ The latencies are wrk's, corrected for coordinated omission: before it reports, 
 to each response slower than a connection's mean interval between requests the samples
 of the requests that connection would have sent meanwhile. So p99 reads as an open-loop
 sender would see it, and one stall of every connection weighs far more than its count:
-a single 170 ms stall in a 10 s run at 16 k hooks/s puts p99 near 75 ms. The stalls seen
-here were single fsyncs of the log that took 40-220 ms (the disk, once in a few runs).
+a single 170 ms stall in a 10 s run at 16 k hooks/s puts p99 near 75 ms.
 
 Name targets to run only those:
 

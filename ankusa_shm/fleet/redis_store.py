@@ -108,8 +108,7 @@ class RedisStore:
             token.hex(),
             pending_ttl_ms,
         )
-        command = ("EVALSHA", ADMIT.sha, 2, *keys, *args)
-        (reply,) = await self.client.send([(rate_key, command)], deadline)
+        (reply,) = await self.client.send([_evalsha(ADMIT, keys, args)], deadline)
         if isinstance(reply, ReplyError):
             raise reply
         return int(reply[0]), reply[1] if len(reply) > 1 else 0
@@ -159,7 +158,11 @@ class RedisStore:
         deadline: float = _NEVER,
     ) -> list[Reply]:
         """EVALSHA each call, all in one round trip (per node, on a cluster)."""
-        return await self.client.send(
-            [(keys[0], ("EVALSHA", script.sha, len(keys), *keys, *args)) for keys, args in calls],
-            deadline,
-        )
+        return await self.client.send([_evalsha(script, k, a) for k, a in calls], deadline)
+
+
+def _evalsha(
+    script: Script, keys: tuple[bytes, ...], args: tuple[Arg, ...]
+) -> tuple[bytes, tuple[Arg, ...]]:
+    """One script call as the client sends it: (routing key, command)."""
+    return keys[0], ("EVALSHA", script.sha, len(keys), *keys, *args)
