@@ -31,6 +31,7 @@ from ankusa_shm.shm.histograms import HistogramRow
 from ankusa_shm.shm.procs import ProcessSlot
 from ankusa_shm.shm.requests import RequestRow
 from ankusa_shm.shm.segment import Segment
+from ankusa_shm.shm.turns import Turns
 from ankusa_shm.store import readers
 from ankusa_shm.store.writer import StoreError, Writer, wall_ms
 
@@ -98,7 +99,8 @@ class Worker:
         fleet = Fleet(cfg, seg, self._slot, store)
         # The writer settles each claim itself, from its thread, the moment the hook's
         # transaction ends (``Writer``): the request path never holds a committed claim.
-        writer = Writer(cfg.store, on_commit=on_commit, settle=fleet.settle)
+        turns = Turns(seg.view, seg.layout)
+        writer = Writer(cfg.store, on_commit=on_commit, settle=fleet.settle, turns=turns)
         try:
             writer.start(loop)
             path = RequestPath(cfg, fleet, writer, self._slot.counters, observer)

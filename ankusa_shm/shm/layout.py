@@ -20,7 +20,8 @@ line prefetcher never makes two regions or two writers share a line):
     counters     one padded row of counters per process slot, summed on read
     requests     per process slot, one word per (source row, status): requests answered
     histograms   per process slot, each histogram's bucket words and its sum word
-    store        the commit word: bumped after every store commit, for long-polls
+    store        the commit word: bumped after every store commit, for long-polls; the
+                 store writers' ticket queue (``turns``)
     queue        settle queue: enqueue and dequeue positions on lines of their own,
                  the consumer's pid and identity, then fixed-size slots (sequence word +
                  record)
@@ -128,6 +129,10 @@ SOURCE_ROWS = 64
 
 # -- store ----------------------------------------------------------------------------------
 ST_COMMITS = 0  # store transactions committed, by every writer of this host
+# The writers' turns (``turns``): the next ticket to hand out, and the ticket whose turn it
+# is. Both start at zero, so a segment made before they were used holds a valid queue.
+ST_TICKETS = 8
+ST_SERVING = 16
 
 # -- breaker --------------------------------------------------------------------------------
 BREAKER_BUCKETS = 32

@@ -4,6 +4,12 @@ Every process that writes the store -- the request workers' writers and the admi
 process's ``Control`` -- takes it from BEGIN IMMEDIATE to COMMIT. A waiter is woken the
 moment the holder lets go, which SQLite's sleeping busy handler cannot do, and a holder
 that dies lets go by dying.
+
+``flock`` is not fair, though: it wakes its waiters and hands the lock to none of them, so
+a writer that commits batch after batch keeps taking it back before a woken waiter runs.
+With a ``Queue`` (the segment's ``shm.turns``) a writer first waits for its ticket's turn,
+polling, for ``TURN_WAIT_S`` at most -- the bound on what a writer that died waiting costs
+the others -- and the lock goes round in the order it was asked for.
 """
 
 from __future__ import annotations
@@ -11,14 +17,33 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
+import time
 from pathlib import Path
+from typing import Protocol
+
+TURN_WAIT_S = 0.02  # a turn waited for longer is taken to be a dead writer's
+TURN_POLL_S = 0.00005  # a few polls during a typical transaction of under a millisecond
+
+
+class Queue(Protocol):
+    """Tickets in the order the lock was asked for (``shm.turns.Turns``)."""
+
+    def ticket(self) -> int: ...
+    def serving(self) -> int: ...
+    def served(self, ticket: int) -> None: ...
 
 
 class WriteLock:
-    """``flock`` on one store's lock file (``schema.lock_path``), held by one process."""
+    """``flock`` on one store's lock file (``schema.lock_path``), held by one process;
+    ``acquire`` waits for its turn in ``queue`` first, when there is one."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(
+        self, path: Path, queue: Queue | None = None, turn_wait_s: float = TURN_WAIT_S
+    ) -> None:
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._queue = queue
+        self._turn_wait_s = turn_wait_s
+        self._ticket: int | None = None  # the ticket of the turn now held
         self._mutex = threading.Lock()  # the rest is for wait_within
         self._got = threading.Event()
         self._taker = False  # a thread is in a blocking flock on _fd
@@ -26,6 +51,13 @@ class WriteLock:
         self._closed = False
 
     def acquire(self) -> None:
+        queue = self._queue
+        if queue is not None:
+            ticket = queue.ticket()
+            give_up = time.monotonic() + self._turn_wait_s
+            while queue.serving() < ticket and time.monotonic() < give_up:
+                time.sleep(TURN_POLL_S)
+            self._ticket = ticket
         fcntl.flock(self._fd, fcntl.LOCK_EX)
 
     def wait_within(self, timeout_s: float) -> bool:
@@ -65,6 +97,9 @@ class WriteLock:
 
     def release(self) -> None:
         fcntl.flock(self._fd, fcntl.LOCK_UN)
+        if self._ticket is not None and self._queue is not None:
+            self._queue.served(self._ticket)
+            self._ticket = None
 
     def close(self) -> None:
         with self._mutex:

@@ -65,7 +65,7 @@ from typing import Any
 from ankusa_shm import config
 from ankusa_shm.hooks import AlreadyStored, CommitResult, Committed, Headers, NewHook, NotStored
 from ankusa_shm.store import schema
-from ankusa_shm.store.lock import WriteLock
+from ankusa_shm.store.lock import Queue, WriteLock
 from ankusa_shm.store.schema import StoreError
 
 __all__ = [
@@ -224,14 +224,17 @@ class Writer:
         wall: WallClock = wall_ms,
         on_commit: Callable[[int], None] | None = None,
         settle: Settle | None = None,
+        turns: Queue | None = None,
     ) -> None:
         """``on_commit`` is called from the writer thread after each transaction that
         committed hooks, with how many it held (for metrics and long-polls). ``settle``
         hears the outcome of every hook committed with a claim, whatever it was, once:
         from the thread, the instant its transaction ended, so a process killed after a
         commit has almost never left a claim unsettled (the window is the few
-        microseconds between COMMIT and the queue push, not the event loop's turn)."""
+        microseconds between COMMIT and the queue push, not the event loop's turn).
+        ``turns`` makes the writers of all processes take the lock in turn (``lock``)."""
         self.cfg = cfg
+        self._turns = turns
         self.path = Path(cfg.path)
         self.stats = WriterStats()
         self._wall = wall
@@ -414,7 +417,7 @@ class Writer:
         together create the tables once; bounded, so a stuck holder fails the boot."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._lock = WriteLock(schema.lock_path(self.path))
+            self._lock = WriteLock(schema.lock_path(self.path), self._turns)
         except OSError as e:
             raise StoreError(f"{self.path}: cannot open: {e.strerror}") from None
         if not self._lock.wait_within(self.cfg.lock_timeout_ms / 1000):
