@@ -113,6 +113,42 @@ def test_term_under_load_stores_every_accepted_hook_and_exits_0(
     assert counter(svc, Counter.SETTLE_ENQUEUED) == counter(svc, Counter.SETTLED_PROMOTE)
 
 
+def _request_head(body: bytes) -> bytes:
+    headers = {**signed(body), "host": "edge", "content-length": str(len(body))}
+    lines = ["POST /hooks/github HTTP/1.1", *(f"{k}: {v}" for k, v in headers.items())]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def _answer(sock: socket.socket) -> bytes:
+    got = b""
+    while chunk := sock.recv(65536):
+        got += chunk
+    return got
+
+
+def test_term_answers_a_request_begun_and_a_connection_just_taken(
+    make: list[Service], tmp_path: Path
+) -> None:
+    """A graceful stop closes only connections between requests: one whose request is
+    half sent, and one taken a moment ago with nothing sent yet, are answered."""
+    svc = service(make, tmp_path).start()
+    body = b'{"a": 1}'
+    half = socket.create_connection(("127.0.0.1", svc.port), timeout=30)
+    fresh = socket.create_connection(("127.0.0.1", svc.port), timeout=30)
+    half.sendall(_request_head(body))  # the body is still to come
+    time.sleep(0.3)  # both are a worker's connections by now
+    svc.send(signal.SIGTERM)
+    time.sleep(0.3)  # the workers are draining
+    half.sendall(body)
+    fresh.sendall(_request_head(body) + body)
+    for sock in (half, fresh):
+        with sock:
+            answer = _answer(sock)
+        assert answer.startswith(b"HTTP/1.1 201 "), answer
+        assert b"connection: close" in answer.lower()
+    assert svc.proc is not None and svc.proc.wait(30) == 0
+
+
 def test_a_killed_supervisor_restarts_on_its_segment_and_loses_nothing_queued(
     make: list[Service], tmp_path: Path, redis_server: RedisServer
 ) -> None:

@@ -34,6 +34,9 @@ log = logging.getLogger("ankusa_shm.http")
 SWEEP_S = 0.25
 PIPELINE_DEPTH = 16  # requests parsed ahead of their answers before reading pauses
 LINGER_S = 1.0  # after an error answer: how long to discard what the client still sends
+# On a graceful stop: how long a connection taken moments before, that has not sent a byte
+# yet, has to send its first request (its client cannot tell it reached a leaving process)
+FIRST_REQUEST_GRACE_S = 1.0
 
 
 # Request and Response are built once per request and never changed; not frozen, since
@@ -129,6 +132,8 @@ class Connection(asyncio.Protocol):
         self._reading = True
         self._closing = False  # no more requests are read: answering what is queued
         self._lingering = False
+        self._made_at = time.monotonic()
+        self._fresh = True  # no request has begun on it yet
         # the request being parsed
         self._in_request = False
         self._started_ns = 0
@@ -192,6 +197,7 @@ class Connection(asyncio.Protocol):
     # -- httptools callbacks ------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        self._fresh = False
         self._in_request = True
         self._started_ns = time.monotonic_ns()
         self._url = b""
@@ -339,10 +345,17 @@ class Connection(asyncio.Protocol):
             self._transport.close()
 
     def stop(self) -> None:
-        """The server is stopping: an idle connection closes now, a busy one after its
-        answer (which says ``connection: close``)."""
-        if self._task is None and not self._pipeline and self._transport is not None:
-            self._transport.close()
+        """The server is stopping: a connection between requests closes now (a client
+        must expect that of a kept-alive one); one with a request begun or queued closes
+        after its answer, which says ``connection: close``; a new one that has yet to
+        send anything gets ``FIRST_REQUEST_GRACE_S`` to begin its request."""
+        if self._transport is None or self._task is not None or self._pipeline:
+            return
+        if self._in_request:
+            return
+        if self._fresh and time.monotonic() - self._made_at < FIRST_REQUEST_GRACE_S:
+            return
+        self._transport.close()
 
     def _pause_reading(self) -> None:
         if self._reading and self._transport is not None:
