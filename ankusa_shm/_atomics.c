@@ -13,7 +13,10 @@
  * hundred nanoseconds as Python and well under one hundred here (bench_shm.py); the
  * breaker's window sum, read on every failed store call (bench_fleet.py's stall); and a
  * histogram observation (bucket search + two fetch-adds), made twice a request
- * (bench_admin.py's metrics on/off). Their
+ * (bench_admin.py's metrics on/off). wait_at_least/wake are a futex on a word, so a
+ * store writer waiting for its turn sleeps without the GIL and is woken the moment its
+ * turn comes (shm/turns.py): polled from Python, every look took the GIL back from the
+ * busy event loop of its process. Their
  * formats are layout.py's; GCRA_FORMAT and BREAKER_FORMAT export the constants below so
  * gcra.py and breaker.py can refuse to run against a layout that disagrees.
  *
@@ -23,13 +26,19 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <limits.h>
+#include <linux/futex.h>
 #include <stdint.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
 
 typedef struct {
     PyObject_HEAD
     Py_buffer view;
     int held;
     int writable;
+    int waiting; /* threads in wait_at_least, which runs without the GIL: no release */
 } AtomicView;
 
 static int64_t *
@@ -327,9 +336,76 @@ av_observe(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* The futex is the word's low half: where it lies depends on the byte order. */
+static uint32_t *
+futex_word(int64_t *w)
+{
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    return (uint32_t *)w;
+#else
+    return (uint32_t *)w + 1;
+#endif
+}
+
+static int64_t
+monotonic_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static PyObject *
+av_wait_at_least(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    int64_t value, timeout_ns;
+    if (!nargs_ok("wait_at_least", nargs, 3))
+        return NULL;
+    int64_t *w = word_at(self, args[0], 0);
+    if (w == NULL || int64_arg(args[1], &value) < 0 || int64_arg(args[2], &timeout_ns) < 0)
+        return NULL;
+    int reached = 0;
+    int64_t end = monotonic_ns() + timeout_ns;
+    self->waiting++;
+    Py_BEGIN_ALLOW_THREADS
+    for (;;) {
+        int64_t seen = __atomic_load_n(w, __ATOMIC_SEQ_CST);
+        if (seen >= value) {
+            reached = 1;
+            break;
+        }
+        int64_t left = end - monotonic_ns();
+        if (left <= 0)
+            break;
+        struct timespec ts = {(time_t)(left / 1000000000), (long)(left % 1000000000)};
+        /* Sleeps only while the low half still reads as seen: a wake() between the load
+           and here makes it return at once, and the loop looks again. */
+        syscall(SYS_futex, futex_word(w), FUTEX_WAIT, (uint32_t)seen, &ts, NULL, 0);
+    }
+    Py_END_ALLOW_THREADS
+    self->waiting--;
+    return PyBool_FromLong(reached);
+}
+
+static PyObject *
+av_wake(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (!nargs_ok("wake", nargs, 1))
+        return NULL;
+    int64_t *w = word_at(self, args[0], 1);
+    if (w == NULL)
+        return NULL;
+    long woken = syscall(SYS_futex, futex_word(w), FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+    return PyLong_FromLong(woken < 0 ? 0 : woken);
+}
+
 static PyObject *
 av_release(AtomicView *self, PyObject *Py_UNUSED(ignored))
 {
+    if (self->waiting) {
+        PyErr_SetString(PyExc_BufferError, "AtomicView has a thread in wait_at_least");
+        return NULL;
+    }
     if (self->held) {
         self->held = 0;
         PyBuffer_Release(&self->view);
@@ -397,6 +473,11 @@ static PyMethodDef av_methods[] = {
     {"observe", (PyCFunction)(void (*)(void))av_observe, METH_FASTCALL,
      "observe(offset, bounds, value): add 1 to the first bucket whose bound is >= value "
      "(after the last: +Inf) and value to the sum word after the buckets."},
+    {"wait_at_least", (PyCFunction)(void (*)(void))av_wait_at_least, METH_FASTCALL,
+     "wait_at_least(offset, value, timeout_ns) -> bool: sleep, without the GIL, until the\n"
+     "word is >= value (True) or timeout_ns has passed (False); wake() cuts a sleep short."},
+    {"wake", (PyCFunction)(void (*)(void))av_wake, METH_FASTCALL,
+     "wake(offset) -> int: wake every process and thread in wait_at_least on that word."},
     {"release", (PyCFunction)av_release, METH_NOARGS,
      "release(): drop the buffer export so the mapping can be closed."},
     {NULL, NULL, 0, NULL},

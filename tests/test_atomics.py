@@ -5,6 +5,8 @@ from __future__ import annotations
 import bisect
 import mmap
 import random
+import threading
+import time
 from collections.abc import Iterator
 from multiprocessing.synchronize import Barrier
 
@@ -211,3 +213,54 @@ def test_cas_loop_across_processes_loses_nothing(seg: Segment) -> None:
     word = seg.layout.offset("gcra") + 128
     run_children(N_PROCS, _cas_increment, seg.name, word, M_OPS // 4, CTX.Barrier(N_PROCS))
     assert seg.view.load(word) == N_PROCS * (M_OPS // 4)
+
+
+def _raise_then_wake(name: str, offset: int, value: int) -> None:
+    seg = Segment.attach(name)
+    try:
+        time.sleep(0.05)  # the parent is asleep in wait_at_least by now, most likely
+        seg.view.store(offset, value)
+        seg.view.wake(offset)
+    finally:
+        seg.close()
+
+
+def test_wait_at_least_sleeps_until_another_process_raises_the_word(seg: Segment) -> None:
+    at = seg.layout.offset("store") + L.ST_SERVING
+    seg.view.store(at, 4)
+    assert seg.view.wait_at_least(at, 4, 0) is True  # already there: no sleep
+    began = time.monotonic()
+    assert seg.view.wait_at_least(at, 5, 30_000_000) is False  # nobody raises it
+    assert time.monotonic() - began >= 0.03
+    child = CTX.Process(target=_raise_then_wake, args=(seg.name, at, 7))
+    child.start()
+    try:
+        assert seg.view.wait_at_least(at, 6, 60_000_000_000) is True
+        assert seg.view.load(at) == 7
+    finally:
+        child.join(60)
+    assert child.exitcode == 0
+
+
+def test_a_view_with_a_waiter_cannot_be_released(page: mmap.mmap) -> None:
+    """wait_at_least sleeps without the GIL on the buffer: releasing it meanwhile would
+    unmap the word under the sleeper."""
+    v = AtomicView(page)
+    seen: list[BaseException] = []
+
+    def meanwhile() -> None:
+        time.sleep(0.5)  # the main thread went straight into its wait
+        try:
+            v.release()
+        except BaseException as e:
+            seen.append(e)
+        v.store(8, 1)
+        v.wake(8)
+
+    helper = threading.Thread(target=meanwhile)
+    helper.start()
+    assert v.wait_at_least(8, 1, 60_000_000_000) is True
+    helper.join(60)
+    assert len(seen) == 1 and isinstance(seen[0], BufferError)
+    v.release()
+    assert v.size == 0

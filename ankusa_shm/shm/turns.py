@@ -36,11 +36,20 @@ class Turns:
         """The ticket whose turn it is; every ticket below it has had its turn."""
         return self._view.load(self._serving)
 
+    def wait(self, ticket: int, timeout_s: float) -> bool:
+        """Sleep until ``ticket``'s turn has come (True) or ``timeout_s`` has passed. A
+        futex, without the GIL: the writer's thread does not take it back from its busy
+        event loop to look, and is woken the moment the turn passes to it."""
+        return self._view.wait_at_least(self._serving, ticket, int(timeout_s * 1e9))
+
     def served(self, ticket: int) -> None:
         """``ticket`` is done: the turn passes to the one after it, unless a later ticket
         already moved the queue further (it waited out a dead writer's turn)."""
         view, nxt = self._view, ticket + 1
         while True:
             now = view.load(self._serving)
-            if now >= nxt or view.cas(self._serving, now, nxt):
+            if now >= nxt:
+                return
+            if view.cas(self._serving, now, nxt):
+                view.wake(self._serving)
                 return

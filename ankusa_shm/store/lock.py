@@ -8,8 +8,8 @@ that dies lets go by dying.
 ``flock`` is not fair, though: it wakes its waiters and hands the lock to none of them, so
 a writer that commits batch after batch keeps taking it back before a woken waiter runs.
 With a ``Queue`` (the segment's ``shm.turns``) a writer first waits for its ticket's turn,
-polling, for ``TURN_WAIT_S`` at most -- the bound on what a writer that died waiting costs
-the others -- and the lock goes round in the order it was asked for.
+for ``TURN_WAIT_S`` at most -- the bound on what a writer that died waiting costs the
+others -- and the lock goes round in the order it was asked for.
 """
 
 from __future__ import annotations
@@ -17,19 +17,17 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Protocol
 
 TURN_WAIT_S = 0.02  # a turn waited for longer is taken to be a dead writer's
-TURN_POLL_S = 0.00005  # a few polls during a typical transaction of under a millisecond
 
 
 class Queue(Protocol):
     """Tickets in the order the lock was asked for (``shm.turns.Turns``)."""
 
     def ticket(self) -> int: ...
-    def serving(self) -> int: ...
+    def wait(self, ticket: int, timeout_s: float) -> bool: ...
     def served(self, ticket: int) -> None: ...
 
 
@@ -54,9 +52,7 @@ class WriteLock:
         queue = self._queue
         if queue is not None:
             ticket = queue.ticket()
-            give_up = time.monotonic() + self._turn_wait_s
-            while queue.serving() < ticket and time.monotonic() < give_up:
-                time.sleep(TURN_POLL_S)
+            queue.wait(ticket, self._turn_wait_s)  # past it, the lock alone decides
             self._ticket = ticket
         fcntl.flock(self._fd, fcntl.LOCK_EX)
 

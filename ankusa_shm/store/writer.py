@@ -514,10 +514,12 @@ class Writer:
         assert self._lock is not None
         self._lock.acquire()
         try:
-            answers = self._transaction()
+            items, results = self._transaction()
         finally:
             self._release()
-        self._hand_back(answers)
+        # Claims are settled once the lock is let go: the next writer's turn does not wait
+        # for a batch's pushes onto the settle queue.
+        self._hand_back(self._outcomes(items, results))
 
     def _release(self) -> None:
         assert self._lock is not None
@@ -614,22 +616,22 @@ class Writer:
             log.warning("cannot write the hook store: %s", what)
             self._failing = True
 
-    def _transaction(self) -> Answers:
-        """One transaction of up to ``max_batch`` hooks, with the lock held."""
+    def _transaction(self) -> tuple[list[_Item], list[CommitResult]]:
+        """One transaction of up to ``max_batch`` hooks, with the lock held; the hooks it
+        took off the queue and what became of each."""
         conn = self._begin()
         if conn is None:
             if self._conn is not None:  # busy: leave the hooks queued for the timer
-                return []
+                return [], []
             batch, late = self._take(everything=True)
             self.stats.not_stored += len(batch)
             gone = batch + late
-            return self._unavailable(gone)
+            return gone, [UNAVAILABLE] * len(gone)
         batch, late = self._take(everything=False)
-        answers = self._unavailable(late)
         if not batch:
             with contextlib.suppress(sqlite3.Error):
                 conn.execute("ROLLBACK")
-            return answers
+            return late, [UNAVAILABLE] * len(late)
         try:
             results, committed, already, size = self._insert(conn, [item.hook for item in batch])
             conn.execute("COMMIT")
@@ -652,7 +654,7 @@ class Writer:
             self._logged(committed, size)
             if self._on_commit is not None:
                 self._on_commit(len(batch))
-        return answers + self._outcomes(batch, results)
+        return late + batch, [UNAVAILABLE] * len(late) + results
 
     def _insert(self, conn: sqlite3.Connection, hooks: Sequence[NewHook]) -> _Inserted:
         """The hooks and their index rows, in order, so a key's first hook in the batch is
