@@ -254,6 +254,10 @@ class WrkRun:
         return sum(c for s, c in self.statuses.items() if not 200 <= s < 300)
 
 
+class WrkFailed(RuntimeError):
+    pass
+
+
 def wrk(
     url: str,
     lua: Path,
@@ -285,7 +289,7 @@ def wrk(
     out = "".join(lines)
     line = next((x for x in out.splitlines() if x.startswith("BENCH ")), None)
     if proc.returncode != 0 or line is None:
-        raise RuntimeError(f"wrk failed (status {proc.returncode}):\n{out}")
+        raise WrkFailed(f"wrk failed (status {proc.returncode}):\n{out}")
     r: dict[str, Any] = json.loads(line.removeprefix("BENCH "))
     return WrkRun(
         requests=r["requests"],
@@ -541,6 +545,10 @@ def run_target(
             keys = settled(lambda: committed_keys(redis))
             result.extra.update({"stored_total": rows, "redis_committed": keys})
         return result
+    except WrkFailed as e:  # say what the server was doing
+        status = proc.poll()
+        state = "running" if status is None else f"exited with status {status}"
+        raise RuntimeError(f"{e}\n       the server is {state}; its log ends:\n{tail(log)}") from e
     finally:
         stop(proc)
         if t.segment:
