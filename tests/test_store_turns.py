@@ -112,3 +112,25 @@ def test_a_writer_killed_while_waiting_for_its_turn_costs_the_next_one_its_wait_
     assert turns.serving() == 4
     holder.close()
     late.close()
+
+
+def test_a_bounded_wait_takes_its_turn_and_gives_it_up_when_it_times_out(
+    seg: Segment, tmp_path: Path
+) -> None:
+    """The admin process's writes wait within a bound (``wait_within``), in the same
+    queue as the workers' writers; one that gives up lets the queue move on past it."""
+    turns = Turns(seg.view, seg.layout)
+    lock_file = tmp_path / "db.lock"
+    holder = WriteLock(lock_file, turns)
+    holder.acquire()  # ticket 0
+    bounded = WriteLock(lock_file, turns, turn_wait_s=TIMEOUT_S)
+    assert bounded.wait_within(0.1) is False  # ticket 1: its turn never came in time
+    assert turns.serving() == 2  # given up: it is nobody's turn to wait for
+    holder.release()
+    assert turns.serving() == 2
+    assert bounded.wait_within(TIMEOUT_S) is True  # ticket 2: its turn, and the lock
+    assert turns.serving() == 2
+    bounded.release()
+    assert turns.serving() == 3
+    holder.close()
+    bounded.close()

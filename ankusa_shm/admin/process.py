@@ -30,6 +30,7 @@ from ankusa_shm.http.protocol import HttpServer, Limits
 from ankusa_shm.shm.commits import CommitWord
 from ankusa_shm.shm.procs import ProcessSlot
 from ankusa_shm.shm.segment import Segment
+from ankusa_shm.shm.turns import Turns
 from ankusa_shm.store.schema import StoreError
 from ankusa_shm.store.writer import wall_ms
 
@@ -79,7 +80,7 @@ async def _serve(
     loop = asyncio.get_running_loop()
     redis = RedisStore.from_config(cfg.fleet, password) if cfg.fleet_kinds else None
     fleet = Fleet(cfg, seg, slot, redis)  # for resetting buckets, and the breaker's state
-    store = StoreCalls(cfg.store)
+    store = StoreCalls(cfg.store, Turns(seg.view, seg.layout))
     await asyncio.to_thread(overrides.publish_stored, seg.blob("overrides"), cfg.store.path)
     watch = CommitWatch(CommitWord(seg.view, seg.layout))
     app = App(cfg, seg, fleet, store, ConsumerApi(store, watch), token)

@@ -15,16 +15,17 @@ from typing import TypeVar
 
 from ankusa_shm import config
 from ankusa_shm.store.control import Control
+from ankusa_shm.store.lock import Queue
 from ankusa_shm.store.readers import Reader
 
 T = TypeVar("T")
 
 
 class StoreCalls:
-    def __init__(self, cfg: config.Store) -> None:
+    def __init__(self, cfg: config.Store, turns: Queue | None = None) -> None:
         self.path = cfg.path
         self._reader = Reader(cfg.path)
-        self._control = Control(cfg)
+        self._control = Control(cfg, turns=turns)
         self._reads = ThreadPoolExecutor(1, thread_name_prefix="admin-read")
         self._writes = ThreadPoolExecutor(1, thread_name_prefix="admin-write")
 

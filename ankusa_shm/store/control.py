@@ -25,7 +25,7 @@ from typing import TypeVar
 from ankusa_shm import config
 from ankusa_shm.limits import Limit
 from ankusa_shm.store import schema
-from ankusa_shm.store.lock import WriteLock
+from ankusa_shm.store.lock import Queue, WriteLock
 from ankusa_shm.store.schema import StoreError
 from ankusa_shm.store.writer import CHECKPOINT_PAGES, WallClock, wall_ms
 
@@ -59,8 +59,13 @@ _TX_PAGES = 5  # log pages one small transaction appends, as the writer counts t
 class Control:
     """The admin process's writer of the store: create it once, ``close`` it once."""
 
-    def __init__(self, cfg: config.Store, wall: WallClock = wall_ms) -> None:
+    def __init__(
+        self, cfg: config.Store, wall: WallClock = wall_ms, turns: Queue | None = None
+    ) -> None:
+        """``turns``: take the lock in turn with the workers' writers (``lock``), so a
+        write from here -- the readiness probe's among them -- is not starved by theirs."""
         self.cfg = cfg
+        self._turns = turns
         self.path = Path(cfg.path)
         self._wall = wall
         self._mutex = threading.Lock()
@@ -161,7 +166,7 @@ class Control:
         if self._lock is None:
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._lock = WriteLock(schema.lock_path(self.path))
+                self._lock = WriteLock(schema.lock_path(self.path), self._turns)
             except OSError as e:
                 raise StoreError(f"{self.path}: {what}: {e.strerror}") from None
         if not self._lock.wait_within(self.cfg.lock_timeout_ms / 1000):

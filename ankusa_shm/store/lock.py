@@ -17,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Protocol
 
@@ -57,7 +58,23 @@ class WriteLock:
         fcntl.flock(self._fd, fcntl.LOCK_EX)
 
     def wait_within(self, timeout_s: float) -> bool:
-        """Wait in line for the lock, as ``acquire`` does, for ``timeout_s`` at most.
+        """Wait in line for the lock, as ``acquire`` does, for ``timeout_s`` at most; a
+        turn given up on passes on to the next ticket."""
+        queue = self._queue
+        if queue is None:
+            return self._flock_within(timeout_s)
+        began = time.monotonic()
+        ticket = queue.ticket()
+        queue.wait(ticket, min(self._turn_wait_s, timeout_s))
+        got = self._flock_within(max(0.0, timeout_s - (time.monotonic() - began)))
+        if got:
+            self._ticket = ticket
+        else:
+            queue.served(ticket)
+        return got
+
+    def _flock_within(self, timeout_s: float) -> bool:
+        """The ``flock`` for ``timeout_s`` at most.
 
         Writers hand the lock straight on to each other, so a poll seldom finds it free
         and would give up under load (a worker booting beside busy ones, a process that
