@@ -6,22 +6,15 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 
+from fleet_helpers import wait_until
 from proc_helpers import CTX, TIMEOUT_S
 
 from ankusa_shm.shm import layout as L
 from ankusa_shm.shm.segment import Segment
 from ankusa_shm.shm.turns import Turns
 from ankusa_shm.store.lock import WriteLock
-
-
-def wait_until(cond: Callable[[], bool], timeout: float = TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.001)
 
 
 def tickets_taken(seg: Segment) -> int:
@@ -64,7 +57,7 @@ def test_a_holder_that_wants_the_lock_again_waits_behind_the_writer_already_wait
     child = CTX.Process(target=_take_in_turn, args=(seg.name, str(lock_file), str(log)))
     child.start()
     try:
-        wait_until(lambda: tickets_taken(seg) == 2)
+        wait_until(lambda: tickets_taken(seg) == 2, "the waiter's ticket")
         time.sleep(0.05)  # the waiter is in flock by now, or about to be
         mine.release()
         mine.acquire()  # the waiter's turn comes first
@@ -95,7 +88,7 @@ def test_a_writer_killed_while_waiting_for_its_turn_costs_the_next_one_its_wait_
     holder.acquire()  # ticket 0
     child = CTX.Process(target=_wait_forever, args=(seg.name, str(lock_file)))
     child.start()
-    wait_until(lambda: tickets_taken(seg) == 2)  # ticket 1: the child's
+    wait_until(lambda: tickets_taken(seg) == 2, "the child's ticket")  # ticket 1
     os.kill(child.pid or 0, signal.SIGKILL)
     child.join(TIMEOUT_S)
     holder.release()

@@ -133,10 +133,9 @@ class Connection(asyncio.Protocol):
         self._closing = False  # no more requests are read: answering what is queued
         self._lingering = False
         self._made_at = time.monotonic()
-        self._fresh = True  # no request has begun on it yet
         # the request being parsed
         self._in_request = False
-        self._started_ns = 0
+        self._started_ns = 0  # 0 until its first request begins
         self._url = b""
         self._raw_headers: list[tuple[bytes, bytes]] = []  # as parsed, until decoded at once
         self._headers: list[tuple[str, str]] = []
@@ -197,7 +196,6 @@ class Connection(asyncio.Protocol):
     # -- httptools callbacks ------------------------------------------------------------
 
     def on_message_begin(self) -> None:
-        self._fresh = False
         self._in_request = True
         self._started_ns = time.monotonic_ns()
         self._url = b""
@@ -351,9 +349,9 @@ class Connection(asyncio.Protocol):
         send anything gets ``FIRST_REQUEST_GRACE_S`` to begin its request."""
         if self._transport is None or self._task is not None or self._pipeline:
             return
-        if self._in_request:
+        if self._in_request:  # its answer will close it
             return
-        if self._fresh and time.monotonic() - self._made_at < FIRST_REQUEST_GRACE_S:
+        if not self._started_ns and time.monotonic() - self._made_at < FIRST_REQUEST_GRACE_S:
             return
         self._transport.close()
 

@@ -50,28 +50,32 @@ class WriteLock:
         self._closed = False
 
     def acquire(self) -> None:
-        queue = self._queue
-        if queue is not None:
-            ticket = queue.ticket()
-            queue.wait(ticket, self._turn_wait_s)  # past it, the lock alone decides
-            self._ticket = ticket
+        self._ticket = self._wait_turn(self._turn_wait_s)
         fcntl.flock(self._fd, fcntl.LOCK_EX)
 
     def wait_within(self, timeout_s: float) -> bool:
         """Wait in line for the lock, as ``acquire`` does, for ``timeout_s`` at most; a
         turn given up on passes on to the next ticket."""
-        queue = self._queue
-        if queue is None:
-            return self._flock_within(timeout_s)
         began = time.monotonic()
-        ticket = queue.ticket()
-        queue.wait(ticket, min(self._turn_wait_s, timeout_s))
+        self._ticket = self._wait_turn(min(self._turn_wait_s, timeout_s))
         got = self._flock_within(max(0.0, timeout_s - (time.monotonic() - began)))
-        if got:
-            self._ticket = ticket
-        else:
-            queue.served(ticket)
+        if not got:
+            self._pass_turn()
         return got
+
+    def _wait_turn(self, bound_s: float) -> int | None:
+        """Take a ticket and wait for its turn, ``bound_s`` at most (past it, the lock
+        alone decides); None without a queue."""
+        if self._queue is None:
+            return None
+        ticket = self._queue.ticket()
+        self._queue.wait(ticket, bound_s)
+        return ticket
+
+    def _pass_turn(self) -> None:
+        if self._ticket is not None and self._queue is not None:
+            self._queue.served(self._ticket)
+            self._ticket = None
 
     def _flock_within(self, timeout_s: float) -> bool:
         """The ``flock`` for ``timeout_s`` at most.
@@ -110,9 +114,7 @@ class WriteLock:
 
     def release(self) -> None:
         fcntl.flock(self._fd, fcntl.LOCK_UN)
-        if self._ticket is not None and self._queue is not None:
-            self._queue.served(self._ticket)
-            self._ticket = None
+        self._pass_turn()
 
     def close(self) -> None:
         with self._mutex:

@@ -229,9 +229,10 @@ class Writer:
         """``on_commit`` is called from the writer thread after each transaction that
         committed hooks, with how many it held (for metrics and long-polls). ``settle``
         hears the outcome of every hook committed with a claim, whatever it was, once:
-        from the thread, the instant its transaction ended, so a process killed after a
-        commit has almost never left a claim unsettled (the window is the few
-        microseconds between COMMIT and the queue push, not the event loop's turn).
+        from the thread, right after its transaction, once the lock is let go, so a
+        process killed after a commit has almost never left a claim unsettled (the window
+        is the few microseconds between COMMIT and the queue push, not the event loop's
+        turn).
         ``turns`` makes the writers of all processes take the lock in turn (``lock``)."""
         self.cfg = cfg
         self._turns = turns
