@@ -128,7 +128,7 @@ def bench_admission(server: RedisServer, n: int) -> None:
 
         async def call(i: int) -> None:
             await r.evalsha(
-                sha, 2, key, f"bench:{{acme}}:dd:gh:rp-{i}", 1, 1, 1, 1_000_000, "ab", 30_000
+                sha, 2, key, f"bench:{{acme}}:dd:gh:rp-{i}", 1, 1, 1_000_000, 30_000, "ab"
             )
 
         wall_cpu = await timed(n, call)

@@ -199,6 +199,47 @@ def test_duplicates_and_pending_are_not_charged(redis_server: RedisServer) -> No
         assert total(segs, Counter.RATE_LIMIT_REJECTED) == 2
 
 
+def test_one_turns_hooks_are_answered_as_calls_of_their_own(redis_server: RedisServer) -> None:
+    """Hooks admitted in one turn of the loop share a script call per tenant, and each gets
+    the answer a call of its own, made in that order, would have: a committed key is a
+    duplicate and a pending one is pending (neither charged), the same key twice is
+    claimed once, the tenant's burst admits exactly that many, a limited hook claims
+    nothing, and a hook without a key is charged and claims nothing. Another tenant's
+    hooks in the same turn have their own bucket."""
+    with segments(1) as (seg,):
+        cfg = fleet_config(
+            redis_server.url, bare(seg), rate=0.001, burst=5, tenants=("acme", "beta")
+        )
+
+        async def body() -> list[Admitted]:
+            async with open_fleet(cfg, seg) as fleet:
+                with redis_server.client() as r:
+                    r.set(dd_key("done"), b"c:hook-done", px=60_000)
+                    r.set(dd_key("held"), pending_value(b"x" * 16), px=60_000)
+                    reset_stats(r)
+                keys = ["done", "held", "k1", "k1", None, "k2", "k3", "k4", "k5", "k6"]
+                acme = [admit(fleet, cfg, k) for k in keys]
+                beta = [admit(fleet, cfg, f"b{i}", "beta") for i in range(3)]
+                return list(await asyncio.gather(*acme, *beta))
+
+        answers = run(body())
+        assert answers[0] == Duplicate("hook-done")
+        assert isinstance(answers[1], DedupePending) and answers[1].retry_ms > 50_000
+        assert isinstance(answers[3], DedupePending)  # k1 again: claimed a moment ago
+        assert answers[4] == Admit(None)  # no key: charged (#2), nothing claimed
+        claims = [claim_of(a) for a in answers[5:8]]  # k2..k4: charges 3 to 5, the burst
+        assert [c.key for c in claims] == [dd_key(k) for k in ("k2", "k3", "k4")]
+        for limited in answers[8:10]:
+            assert isinstance(limited, RateLimited) and limited.retry_ms >= 1
+        assert all(isinstance(a, Admit) and a.claim for a in answers[10:])  # beta's own bucket
+        stats = redis_server.commandstats()
+        assert stats["evalsha"] == 2  # one call per tenant
+        with redis_server.client() as r:
+            assert r.exists(dd_key("k5"), dd_key("k6")) == 0  # limited hooks claim nothing
+            assert r.get(dd_key("k1")) == pending_value(claim_of(answers[2]).token)
+        assert totals(seg)[Counter.RATE_LIMIT_REJECTED] == 2
+
+
 def test_long_event_keys_and_hooks_without_a_key(redis_server: RedisServer) -> None:
     long_key, edge_key = "x" * 300, "y" * 200
     hashed = b"sha256:" + hashlib.sha256(long_key.encode()).hexdigest().encode()
@@ -338,7 +379,9 @@ def test_reset_tenant_forgets_fleet_and_node_buckets(redis_server: RedisServer) 
 # -- round trips as the server counts them ----------------------------------------------------
 
 
-def test_one_evalsha_per_admitted_hook(redis_server: RedisServer) -> None:
+def test_one_evalsha_per_hook_at_most_and_one_per_turn(redis_server: RedisServer) -> None:
+    """A hook admitted alone costs one script call; the hooks of one turn of the loop
+    share one."""
     with segments(1) as (seg,):
         cfg = fleet_config(redis_server.url, bare(seg))
 
@@ -353,7 +396,7 @@ def test_one_evalsha_per_admitted_hook(redis_server: RedisServer) -> None:
 
         run(body())
         stats = redis_server.commandstats()
-        assert stats.pop("evalsha") == 40
+        assert stats.pop("evalsha") == 20 + 1
         assert set(stats) <= TEST_TRAFFIC | SCRIPT_INNER  # no EVAL, nothing outside a script
 
 
@@ -685,30 +728,34 @@ def test_degraded_warning_once_per_host(redis_server: RedisServer, tmp_path: Pat
 
 
 def test_flushed_script_cache_is_reloaded_once_per_burst(redis_server: RedisServer) -> None:
-    """SCRIPT FLUSH under 64 concurrent admits: one SCRIPT LOAD per burst on the one
-    connection, every caller repeats its EVALSHA, no full-source EVAL, and every admit is
-    answered by the fleet (the breaker has nothing to count)."""
+    """SCRIPT FLUSH under 64 concurrent admits of 8 tenants (8 script calls in one round
+    trip): one SCRIPT LOAD per burst on the one connection, every call repeats its EVALSHA,
+    no full-source EVAL, and every admit is answered by the fleet (the breaker has nothing
+    to count)."""
     flushes, burst = 5, 64
+    tenants = [f"t{i}" for i in range(8)]
     with segments(1) as (seg,):
-        cfg = fleet_config(redis_server.url, bare(seg), breaker_min_calls=20)
+        cfg = fleet_config(redis_server.url, bare(seg), tenants=tenants, breaker_min_calls=20)
 
         async def body() -> None:
             async with open_fleet(cfg, seg) as fleet:
-                claim_of(await admit(fleet, cfg, "warm"))  # connected, scripts loaded
+                claim_of(await admit(fleet, cfg, "warm", "t0"))  # connected, scripts loaded
                 with redis_server.client() as r:
                     reset_stats(r)
                     for round_ in range(flushes):
                         r.script_flush()
-                        answers = await asyncio.gather(
-                            *(admit(fleet, cfg, f"r{round_}-{i}") for i in range(burst))
-                        )
+                        asks = [
+                            admit(fleet, cfg, f"r{round_}-{i}", tenants[i % 8])
+                            for i in range(burst)
+                        ]
+                        answers = await asyncio.gather(*asks)
                         assert all(isinstance(a, Admit) and a.claim for a in answers), answers
 
         run(body())
         stats = redis_server.commandstats()
         assert "eval" not in stats
         assert stats.get("script|load") == 2 * flushes  # both scripts, once per flush
-        assert stats.get("evalsha") == 2 * flushes * burst  # each caller tried, then again
+        assert stats.get("evalsha") == 2 * flushes * len(tenants)  # each call, then again
         counted = totals(seg)
         assert counted[Counter.STORE_OK] == 1 + flushes * burst
         assert counted[Counter.STORE_ERROR] == counted[Counter.STORE_TIMEOUT] == 0

@@ -1,43 +1,60 @@
--- One hook's fleet admission, atomically: check the dedupe key, charge the tenant's GCRA
--- bucket, write the pending claim. Both keys carry the tenant as their hash tag.
+-- Fleet admission for one tenant's hooks, atomically and in order: for each hook, check
+-- its dedupe key, charge the tenant's GCRA bucket, write the pending claim. One call
+-- carries the hooks one worker admitted for the tenant in one turn of its event loop;
+-- each is answered as it would be by a call of its own made at the same moment, so the
+-- script's fixed cost is paid once per turn instead of once per hook. All keys carry the
+-- tenant as their hash tag.
 --
--- KEYS[1]  {prefix}:{tenant}:rl                 the tenant's TAT, microseconds
--- KEYS[2]  {prefix}:{tenant}:dd:<source>:<key>  "p:<token>" pending | "c:<hook id>" committed
--- ARGV     charge (0|1), claim (0|1), interval_us, burst, token, pending_ttl_ms
--- Returns  {0} admitted (claimed if asked) | {1, hook_id} duplicate |
---          {2, ms} another claim pending | {3, ms} rate limited
+-- KEYS[1]    {prefix}:{tenant}:rl                 the tenant's TAT, microseconds
+-- KEYS[1+i]  {prefix}:{tenant}:dd:<source>:<key>  hook i's: "p:<token>" | "c:<hook id>"
+--            (KEYS[1] again for a hook that claims nothing)
+-- ARGV       charge (0|1), interval_us, burst, pending_ttl_ms, then hook i's token
+--            ('' claims nothing)
+-- Returns    two entries per hook: 0, 0 admitted (claimed if asked) | 1, hook_id duplicate |
+--            2, ms another claim pending | 3, ms rate limited
 -- A duplicate or pending key is not charged; a limited hook claims nothing.
-local charge, claim = ARGV[1] == '1', ARGV[2] == '1'
-
-if claim then
-  local v = redis.call('GET', KEYS[2])
-  if v then
-    if string.sub(v, 1, 2) == 'c:' then
-      return {1, string.sub(v, 3)}
-    end
-    local left = redis.call('PTTL', KEYS[2])
-    if left < 1 then left = 1 end
-    return {2, left}
-  end
-end
-
+local charge = ARGV[1] == '1'
+local interval, burst, pending_ttl = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+local span = interval * burst
+local now, tat, lead
 if charge then
   local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  local interval, burst = tonumber(ARGV[3]), tonumber(ARGV[4])
-  local tat = tonumber(redis.call('GET', KEYS[1]) or '0')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  tat = tonumber(redis.call('GET', KEYS[1]) or '0')
   if tat < now then tat = now end
-  local lead = tat - now + interval
-  local span = interval * burst
-  if lead > span then
-    return {3, math.ceil((lead - span) / 1000)}
-  end
-  -- %.0f: Lua would print a 16-digit number in exponent form and lose microseconds
-  redis.call('SET', KEYS[1], string.format('%.0f', tat + interval),
-             'PX', math.ceil(lead / 1000) + 1)
 end
 
-if claim then
-  redis.call('SET', KEYS[2], 'p:' .. ARGV[5], 'PX', ARGV[6])
+local out = {}
+for i = 2, #KEYS do
+  local token = ARGV[i + 3]
+  local verdict, value = 0, 0
+  if token ~= '' then
+    local v = redis.call('GET', KEYS[i])
+    if v then
+      if string.sub(v, 1, 2) == 'c:' then
+        verdict, value = 1, string.sub(v, 3)
+      else
+        verdict, value = 2, math.max(1, redis.call('PTTL', KEYS[i]))
+      end
+    end
+  end
+  if verdict == 0 and charge then
+    local ahead = tat - now + interval
+    if ahead > span then
+      verdict, value = 3, math.ceil((ahead - span) / 1000)
+    else
+      tat, lead = tat + interval, ahead
+    end
+  end
+  if verdict == 0 and token ~= '' then
+    redis.call('SET', KEYS[i], 'p:' .. token, 'PX', pending_ttl)
+  end
+  out[#out + 1] = verdict
+  out[#out + 1] = value
 end
-return {0}
+
+if lead then
+  -- %.0f: Lua would print a 16-digit number in exponent form and lose microseconds
+  redis.call('SET', KEYS[1], string.format('%.0f', tat), 'PX', math.ceil(lead / 1000) + 1)
+end
+return out

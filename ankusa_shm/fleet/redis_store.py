@@ -17,6 +17,7 @@ never written, or was written late by a call that timed out here and ran after a
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from ankusa_shm.fleet.redis_client import (
     Arg,
     Client,
     ClusterClient,
+    RedisError,
     Reply,
     ReplyError,
     parse_url,
@@ -37,6 +39,7 @@ from ankusa_shm.shm import layout as L
 from ankusa_shm.shm.settle_queue import Op, Record
 
 SETTLE_OPS_PER_CALL = 500  # bounds how long one script holds the server
+ADMITS_PER_CALL = 100  # the same, for admit.lua
 _NEVER = float("inf")
 
 
@@ -63,6 +66,10 @@ class RedisStore:
         self.client = client
         self._prefix = prefix
         self._cluster = cluster
+        # (rate key, limit, pending_ttl_ms) -> this turn's hooks for it
+        self._asks: dict[tuple[bytes, Limit | None, int], list[_Ask]] = {}
+        self._asks_due = False
+        self._asking: set[asyncio.Future[None]] = set()  # the sends in flight, kept alive
 
     @classmethod
     def from_config(
@@ -86,7 +93,7 @@ class RedisStore:
     def dedupe_key(self, tenant: str, source: str, key: bytes) -> bytes:
         return L.dedupe_key(self._prefix, tenant, source, bounded_event_key(key))
 
-    async def admit(
+    def admit(
         self,
         tenant: str,
         limit: Limit | None,
@@ -94,24 +101,64 @@ class RedisStore:
         token: bytes,
         pending_ttl_ms: int,
         deadline: float = _NEVER,
-    ) -> tuple[int, int | bytes]:
-        """One round trip: (ADMITTED, 0) | (DUPLICATE, hook id) | (PENDING, ms) | (LIMITED, ms).
-        ``limit`` None charges nothing; ``dedupe_key`` None claims nothing. Past
-        ``deadline`` (``time.monotonic()`` seconds), TimeoutError."""
-        rate_key = self.rate_key(tenant)
-        keys = (rate_key, dedupe_key or rate_key)
-        args: tuple[Arg, ...] = (
-            int(limit is not None),
-            int(dedupe_key is not None),
-            limit.interval_us if limit else 0,
-            limit.burst if limit else 0,
-            token.hex(),
-            pending_ttl_ms,
-        )
-        (reply,) = await self.client.send([_evalsha(ADMIT, keys, args)], deadline)
+    ) -> asyncio.Future[tuple[int, int | bytes]]:
+        """One hook's admission: (ADMITTED, 0) | (DUPLICATE, hook id) | (PENDING, ms) |
+        (LIMITED, ms). ``limit`` None charges nothing; ``dedupe_key`` None claims nothing.
+        Past ``deadline`` (``time.monotonic()`` seconds), TimeoutError.
+
+        The hooks asked for in one turn of the loop share one script call per tenant
+        (admit.lua answers each as a call of its own would), all in one round trip: a
+        script call's fixed cost in Redis is several times a hook's own work."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[tuple[int, int | bytes]] = loop.create_future()
+        group = (self.rate_key(tenant), limit, pending_ttl_ms)
+        ask = _Ask(dedupe_key, token.hex() if dedupe_key else "", deadline, future)
+        asks = self._asks.get(group)
+        if asks is None:
+            self._asks[group] = [ask]
+        else:
+            asks.append(ask)
+        if not self._asks_due:
+            self._asks_due = True
+            loop.call_soon(self._send_asks)
+        return future
+
+    def _send_asks(self) -> None:
+        """The turn is over: one script call per tenant (and limit). Each is a request of
+        its own, so a cluster node that fails fails only its tenants' hooks; the client
+        still writes them all to a connection at once."""
+        groups, self._asks, self._asks_due = self._asks, {}, False
+        for (rate_key, limit, pending_ttl_ms), asks in groups.items():
+            head: tuple[Arg, ...] = (
+                int(limit is not None),
+                limit.interval_us if limit else 0,
+                limit.burst if limit else 0,
+                pending_ttl_ms,
+            )
+            for i in range(0, len(asks), ADMITS_PER_CALL):
+                part = asks[i : i + ADMITS_PER_CALL]
+                keys = (rate_key, *[a.key or rate_key for a in part])
+                call = _evalsha(ADMIT, keys, head + tuple(a.token for a in part))
+                task = asyncio.ensure_future(self._ask(call, part))
+                self._asking.add(task)
+                task.add_done_callback(self._asking.discard)
+
+    async def _ask(self, call: tuple[bytes, tuple[Arg, ...]], asks: list[_Ask]) -> None:
+        """One admit.lua call; each hook in it gets its own answer."""
+        try:
+            (reply,) = await self.client.send([call], min(a.deadline for a in asks))
+        except (TimeoutError, RedisError) as e:
+            _fail(asks, e)
+            return
+        except BaseException:  # cancelled with its loop: no answer is coming
+            _fail(asks, RedisError("admission call abandoned"))
+            raise
         if isinstance(reply, ReplyError):
-            raise reply
-        return int(reply[0]), reply[1] if len(reply) > 1 else 0
+            _fail(asks, reply)
+            return
+        for j, a in enumerate(asks):
+            if not a.future.done():  # its caller may have given up
+                a.future.set_result((int(reply[2 * j]), reply[2 * j + 1]))
 
     async def settle(self, records: Sequence[Record], now_ms: int) -> tuple[int, int]:
         """Apply promotes and releases in one round trip: (promotes that wrote or found
@@ -159,6 +206,22 @@ class RedisStore:
     ) -> list[Reply]:
         """EVALSHA each call, all in one round trip (per node, on a cluster)."""
         return await self.client.send([_evalsha(script, k, a) for k, a in calls], deadline)
+
+
+@dataclass(slots=True)
+class _Ask:
+    """One hook's part of a turn's admit.lua call."""
+
+    key: bytes | None
+    token: str  # hex; "" claims nothing
+    deadline: float
+    future: asyncio.Future[tuple[int, int | bytes]]
+
+
+def _fail(asks: Sequence[_Ask], e: BaseException) -> None:
+    for a in asks:
+        if not a.future.done():
+            a.future.set_exception(e)
 
 
 def _evalsha(
