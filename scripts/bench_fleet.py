@@ -3,8 +3,9 @@
 
 Prints, each beside a baseline measured in the same run:
   * admits/s and CPU us per admit, node scope vs fleet scope (and, for the fleet call,
-    the same EVALSHA through redis-py's asyncio client at the same concurrency);
-  * Redis round trips per admitted hook (the server's own command count);
+    the same EVALSHA through redis-py's asyncio client at the same concurrency, one call
+    per hook), with redis-server's own CPU per admit beside each fleet figure;
+  * admitted hooks per script call (the server's own command count);
   * settle operations per drain round trip while workers admit and settle under load;
   * drainer operations/s next to a plain redis-py pipeline of per-operation commands.
   * admit latency while redis-server is SIGSTOPped (the budget must hold), the breaker's
@@ -78,37 +79,48 @@ def new_segment(name: str, queue: int) -> Segment:
     return Segment.create(name, make_params(queue_capacity=queue, process_slots=16))
 
 
-async def timed(n: int, body: Callable[[int], Awaitable[object]]) -> tuple[float, float]:
-    """Run body(i) for i < n over CONCURRENCY tasks; (wall s, cpu s)."""
+Timing = tuple[float, float, float]  # wall s, this process's cpu s, redis-server's cpu s
+
+
+def cpu_of(pid: int) -> float:
+    """A process's user + system CPU seconds, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def timed(n: int, body: Callable[[int], Awaitable[object]], server: RedisServer) -> Timing:
+    """Run body(i) for i < n over CONCURRENCY tasks."""
 
     async def lane(k: int) -> None:
         for i in range(k, n, CONCURRENCY):
             await body(i)
 
-    t, c = time.perf_counter(), time.process_time()
+    t, c, r = time.perf_counter(), time.process_time(), cpu_of(server.pid)
     await asyncio.gather(*(lane(k) for k in range(CONCURRENCY)))
-    return time.perf_counter() - t, time.process_time() - c
+    return time.perf_counter() - t, time.process_time() - c, cpu_of(server.pid) - r
 
 
-def _admit_run(server: RedisServer, scope: str, n: int) -> tuple[float, float]:
-    """n admits through Fleet in one scope; (wall s, cpu s)."""
+def _admit_run(server: RedisServer, scope: str, n: int) -> Timing:
+    """n admits through Fleet in one scope."""
     name = f"bench-fleet-{os.getpid()}"
     cfg = make_config(name, server.url, scope)
     seg = new_segment(name, 1024)
     slot = procs.claim(seg.view, seg.layout, procs.Role.TOOL)
 
-    async def run() -> tuple[float, float]:
+    async def run() -> Timing:
         fleet = Fleet(cfg, seg, slot, RedisStore.from_config(cfg.fleet))
         src = cfg.sources[0]
         await fleet.admit(src, Envelope(b"warm"))
         before = server.commandstats().get("evalsha", 0)
-        wall_cpu = await timed(n, lambda i: fleet.admit(src, Envelope(f"{scope}-{i}".encode())))
+        timing = await timed(
+            n, lambda i: fleet.admit(src, Envelope(f"{scope}-{i}".encode())), server
+        )
         calls = server.commandstats().get("evalsha", 0) - before
         admitted = counters.totals(seg.view, seg.layout)[Counter.ADMIT_OK] - 1
         await fleet.close()
         if scope == "fleet":
-            figure("fleet round trips per admitted hook", calls / admitted, "", "<= 1.0")
-        return wall_cpu
+            figure("fleet admitted hooks per script call", admitted / calls, "", ">= 1")
+        return timing
 
     try:
         return uvloop.run(run())
@@ -121,7 +133,7 @@ def bench_admission(server: RedisServer, n: int) -> None:
     print(f"\nadmission ({n} hooks, {CONCURRENCY} concurrent, one worker process)")
     results = {scope: _admit_run(server, scope, n) for scope in ("node", "fleet")}
 
-    async def redis_py() -> tuple[float, float]:
+    async def redis_py() -> Timing:
         r = aioredis.Redis.from_url(server.url)
         sha = await r.script_load(ADMIT.source)
         key = "bench:{acme}:rl"
@@ -131,16 +143,20 @@ def bench_admission(server: RedisServer, n: int) -> None:
                 sha, 2, key, f"bench:{{acme}}:dd:gh:rp-{i}", 1, 1, 1_000_000, 30_000, "ab"
             )
 
-        wall_cpu = await timed(n, call)
+        timing = await timed(n, call, server)
         await r.aclose()
-        return wall_cpu
+        return timing
 
     results["redis-py"] = uvloop.run(redis_py())
-    for label, (wall, cpu) in results.items():
+    for label, (wall, cpu, redis_cpu) in results.items():
         figure(f"{label} admits per second", n / wall, "/s")
         figure(f"{label} CPU us per admit", cpu / n * 1e6, "us")
+        if label != "node":
+            figure(f"{label} redis-server CPU us per admit", redis_cpu / n * 1e6, "us")
     ratio = results["redis-py"][1] / results["fleet"][1]
     figure("fleet CPU per admit: redis-py / ours", ratio, "x")
+    ratio = results["redis-py"][2] / results["fleet"][2]
+    figure("redis-server CPU per admit: redis-py / ours", ratio, "x")
 
 
 def _load_worker(name: str, url: str, seconds: float, out: Any) -> None:

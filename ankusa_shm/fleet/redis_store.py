@@ -69,6 +69,7 @@ class RedisStore:
         # (rate key, limit, pending_ttl_ms) -> this turn's hooks for it
         self._asks: dict[tuple[bytes, Limit | None, int], list[_Ask]] = {}
         self._asks_due = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # the running turn's
         self._asking: set[asyncio.Future[None]] = set()  # the sends in flight, kept alive
 
     @classmethod
@@ -109,8 +110,12 @@ class RedisStore:
         The hooks asked for in one turn of the loop share one script call per tenant
         (admit.lua answers each as a call of its own would), all in one round trip: a
         script call's fixed cost in Redis is several times a hook's own work."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[tuple[int, int | bytes]] = loop.create_future()
+        if not self._asks_due:  # the turn's first: the loop is looked up once a turn
+            self._loop = asyncio.get_running_loop()
+            self._loop.call_soon(self._send_asks)
+            self._asks_due = True
+        assert self._loop is not None
+        future: asyncio.Future[tuple[int, int | bytes]] = self._loop.create_future()
         group = (self.rate_key(tenant), limit, pending_ttl_ms)
         ask = _Ask(dedupe_key, token.hex() if dedupe_key else "", deadline, future)
         asks = self._asks.get(group)
@@ -118,9 +123,6 @@ class RedisStore:
             self._asks[group] = [ask]
         else:
             asks.append(ask)
-        if not self._asks_due:
-            self._asks_due = True
-            loop.call_soon(self._send_asks)
         return future
 
     def _send_asks(self) -> None:
@@ -128,6 +130,8 @@ class RedisStore:
         its own, so a cluster node that fails fails only its tenants' hooks; the client
         still writes them all to a connection at once."""
         groups, self._asks, self._asks_due = self._asks, {}, False
+        loop = self._loop
+        assert loop is not None
         for (rate_key, limit, pending_ttl_ms), asks in groups.items():
             head: tuple[Arg, ...] = (
                 int(limit is not None),
@@ -139,7 +143,7 @@ class RedisStore:
                 part = asks[i : i + ADMITS_PER_CALL]
                 keys = (rate_key, *[a.key or rate_key for a in part])
                 call = _evalsha(ADMIT, keys, head + tuple(a.token for a in part))
-                task = asyncio.ensure_future(self._ask(call, part))
+                task = loop.create_task(self._ask(call, part))
                 self._asking.add(task)
                 task.add_done_callback(self._asking.discard)
 
@@ -190,6 +194,9 @@ class RedisStore:
 
     async def close(self) -> None:
         await self.client.close()
+        for asks in self._asks.values():  # asked for in this very turn: never sent now
+            _fail(asks, RedisError("client closed"))
+        self._asks, self._asks_due = {}, False
 
     def _group(self, key: bytes) -> bytes:
         """Keys that may share one script call: one hash tag on a cluster, all otherwise."""
