@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 from collections.abc import Callable
 
 import uvloop
@@ -127,12 +128,11 @@ class Drainer:
     async def _deliver(self, batch: Batch, now_ms: int) -> tuple[int, int, int] | None:
         """One round trip for the batch: (promotes, releases sent, expired); None (batch
         kept) if the store failed."""
-        live = [r for r in batch.records if not self._expired(r, now_ms)]
+        live = [r for r in batch.records if r.op is Op.PROMOTE or not self._expired(r, now_ms)]
         if live:
             self._row.add(Counter.DRAIN_ROUND_TRIPS)
             try:
-                async with asyncio.timeout(self._timeout_s):
-                    await self._store.settle(live, now_ms)
+                await self._store.settle(live, now_ms, time.monotonic() + self._timeout_s)
             except (TimeoutError, RedisError) as e:
                 self._row.add(Counter.DRAIN_ERRORS)
                 if self._warned_ms is None or now_ms - self._warned_ms >= WARN_EVERY_MS:
@@ -158,8 +158,10 @@ class Drainer:
 
     @staticmethod
     async def _pause(seconds: float, stop: asyncio.Event) -> None:
-        """Sleep, cut short by ``stop`` (once stopping, just sleep: keep draining)."""
-        if stop.is_set():
+        """Sleep. A backoff is cut short by ``stop`` (unless stopping already: then keep
+        draining); the pauses of a working drainer are shorter than the time it would
+        take to notice, and a plain sleep costs a fraction of a cancelled wait."""
+        if seconds <= IDLE_MAX_S or stop.is_set():
             await asyncio.sleep(seconds)
             return
         with contextlib.suppress(TimeoutError):

@@ -164,23 +164,32 @@ class RedisStore:
             if not a.future.done():  # its caller may have given up
                 a.future.set_result((int(reply[2 * j]), reply[2 * j + 1]))
 
-    async def settle(self, records: Sequence[Record], now_ms: int) -> tuple[int, int]:
+    async def settle(
+        self, records: Sequence[Record], now_ms: int, deadline: float = _NEVER
+    ) -> tuple[int, int]:
         """Apply promotes and releases in one round trip: (promotes that wrote or found
         their hook, releases that found their token). A promote keeps its key for what is
-        left of the hook's dedupe window at ``now_ms`` (at least 1 ms)."""
+        left of the hook's dedupe window at ``now_ms`` (at least 1 ms), and needs no token.
+        Past ``deadline`` (``time.monotonic()`` seconds), TimeoutError."""
         groups: dict[bytes, list[Record]] = {}
-        for r in records:
-            groups.setdefault(self._group(r.key), []).append(r)
+        if self._cluster:  # one script call per hash tag
+            for r in records:
+                groups.setdefault(_hash_tag(r.key), []).append(r)
+        else:
+            groups[b""] = list(records)
         calls: list[tuple[tuple[bytes, ...], tuple[Arg, ...]]] = []
         for group in groups.values():
             for i in range(0, len(group), SETTLE_OPS_PER_CALL):
                 chunk = group[i : i + SETTLE_OPS_PER_CALL]
                 args: list[Arg] = []
                 for r in chunk:
-                    args += (b"p" if r.op == Op.PROMOTE else b"r", r.token.hex(), r.hook_id)
+                    if r.op is Op.PROMOTE:
+                        args += (b"p", b"", r.hook_id)
+                    else:
+                        args += (b"r", r.token.hex(), r.hook_id)
                     args.append(max(1, r.ttl_ms - (now_ms - r.enqueued_ms)))
                 calls.append((tuple(r.key for r in chunk), tuple(args)))
-        replies = await self._run(SETTLE, calls)
+        replies = await self._run(SETTLE, calls, deadline)
         errors = [r for r in replies if isinstance(r, ReplyError)]
         if errors:
             raise errors[0]
@@ -197,13 +206,6 @@ class RedisStore:
         for asks in self._asks.values():  # asked for in this very turn: never sent now
             _fail(asks, RedisError("client closed"))
         self._asks, self._asks_due = {}, False
-
-    def _group(self, key: bytes) -> bytes:
-        """Keys that may share one script call: one hash tag on a cluster, all otherwise."""
-        if not self._cluster:
-            return b""
-        start = key.find(b"{")
-        return key[start : key.find(b"}", start) + 1]
 
     async def _run(
         self,
@@ -223,6 +225,11 @@ class _Ask:
     token: str  # hex; "" claims nothing
     deadline: float
     future: asyncio.Future[tuple[int, int | bytes]]
+
+
+def _hash_tag(key: bytes) -> bytes:
+    start = key.find(b"{")
+    return key[start : key.find(b"}", start) + 1]
 
 
 def _fail(asks: Sequence[_Ask], e: BaseException) -> None:

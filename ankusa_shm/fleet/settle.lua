@@ -9,7 +9,8 @@
 -- release  nothing was stored: delete the key, only while it holds this claim's token.
 --
 -- KEYS[i]          a dedupe key
--- ARGV[4i-3 .. 4i] op ("p" | "r"), token, hook_id, ttl_ms (what is left of the window)
+-- ARGV[4i-3 .. 4i] op ("p" | "r"), token (a release's; '' for a promote), hook_id,
+--                  ttl_ms (what is left of the window)
 -- Returns          {promotes that wrote or found their hook, releases that found their token}
 local promoted, released = 0, 0
 for i = 1, #KEYS do
