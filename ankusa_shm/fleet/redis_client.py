@@ -15,6 +15,11 @@ waiters, which fails whoever's deadline has passed with ``TimeoutError`` (their 
 still read, and dropped). Per call, a timeout and its timer handle cost more than the rest
 of the client; one timer per connection costs almost nothing.
 
+A caller that gathers its own requests through a turn of the loop (the fleet's admission)
+sends them with ``send_now``: written at once, their replies handed to a plain function
+from the read callback, so no task and no further turn of the loop stand between a reply
+and the hooks waiting on it.
+
 Lua scripts a client is given are loaded (``SCRIPT LOAD``) on every connection as part of
 its greeting, so callers only ever send ``EVALSHA``. A server that loses its script cache
 while connected (``SCRIPT FLUSH``) answers ``NOSCRIPT``: the first such reply on a
@@ -33,7 +38,7 @@ import asyncio
 import collections
 import ssl
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -116,10 +121,41 @@ def parse_url(url: str, password: str = "", tls_ca_file: str = "") -> Endpoint:
 _LATE_S = 0.001  # a deadline timer firing fails every waiter due within this much after it
 
 
+Then = Callable[[list[Reply] | BaseException], None]
+
+
+class _Callback:
+    """A request's waiter that is a plain function, called from the read callback with
+    the replies (or the failure): no task to wake, no turn of the loop in between. It
+    answers the few calls ``_Pending`` makes of a future."""
+
+    __slots__ = ("_called", "_then")
+
+    def __init__(self, then: Then) -> None:
+        self._then = then
+        self._called = False
+
+    def done(self) -> bool:
+        return self._called
+
+    def set_result(self, replies: list[Reply]) -> None:
+        self._called = True
+        self._then(replies)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._called = True
+        self._then(exc)
+
+    def exception(self) -> None:
+        return None
+
+
 class _Pending:
     __slots__ = ("deadline", "future", "remaining", "replies", "sent_at")
 
-    def __init__(self, future: asyncio.Future[Any], n: int, sent_at: float, deadline: float):
+    def __init__(
+        self, future: asyncio.Future[Any] | _Callback, n: int, sent_at: float, deadline: float
+    ):
         self.future = future
         self.remaining = n
         self.replies: list[Reply] = []
@@ -173,7 +209,23 @@ class Connection(asyncio.Protocol):
         self, payload: bytes, n: int, deadline: float = _NEVER
     ) -> asyncio.Future[list[Reply]]:
         """Send ``n`` packed commands; the future gets their ``n`` replies in order, or
-        ``TimeoutError`` once ``deadline`` (``time.monotonic()`` seconds) has passed."""
+        ``TimeoutError`` once ``deadline`` (``time.monotonic()`` seconds) has passed. The
+        write goes out at the end of this turn of the loop, with the turn's others."""
+        fut: asyncio.Future[list[Reply]] = self._loop.create_future()
+        self._queue(payload, n, deadline, fut)
+        if len(self._out) == 1:
+            self._loop.call_soon(self.flush)
+        return fut
+
+    def queue(self, payload: bytes, n: int, deadline: float, then: Then) -> None:
+        """``request`` without a future or the end of the turn: its replies or failure
+        are handed to ``then`` from the read callback, and it is written by the next
+        ``flush``, which the caller makes."""
+        self._queue(payload, n, deadline, _Callback(then))
+
+    def _queue(
+        self, payload: bytes, n: int, deadline: float, waiter: asyncio.Future[Any] | _Callback
+    ) -> None:
         if self.closed or self._transport is None:
             raise RedisError("not connected")
         now = time.monotonic()
@@ -182,15 +234,10 @@ class Connection(asyncio.Protocol):
         if self._pending and now - self._pending[0].sent_at > self._stall_s:
             self.close(RedisError(f"server stalled for more than {self._stall_s:g} s"))
             raise RedisError("server stalled")
-        loop = self._loop
-        fut: asyncio.Future[list[Reply]] = loop.create_future()
-        self._pending.append(_Pending(fut, n, now, deadline))
+        self._pending.append(_Pending(waiter, n, now, deadline))
         if deadline < self._timer_at:
             self._arm(deadline, now)
-        if not self._out:
-            loop.call_soon(self._flush)
         self._out.append(payload)
-        return fut
 
     def _arm(self, at: float, now: float) -> None:
         if self._timer is not None:
@@ -215,11 +262,11 @@ class Connection(asyncio.Protocol):
         if following < _NEVER and not self.closed:
             self._arm(following, now)
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
         """One write for every request made in this turn of the loop: one system call
         for many concurrent hooks instead of one each."""
         out, self._out = self._out, []
-        if self._transport is not None and not self.closed:
+        if out and self._transport is not None and not self.closed:
             self._transport.write(b"".join(out))
 
     def close(self, exc: RedisError) -> None:
@@ -273,6 +320,23 @@ class Client:
         routing. ``pipeline``'s own coroutine, not one awaiting it: a frame less per hook."""
         return self.pipeline([c for _, c in commands], deadline)
 
+    def send_now(self, calls: Sequence[tuple[Sequence[Arg], float, Then]]) -> bool:
+        """(command, deadline, then) calls written at once, in one write, on the open
+        connection; each one's replies (or failure) are handed to its ``then`` from the
+        read callback, with no task and no turn of the loop in between. False, and nothing
+        sent, if no connection is open (``send`` opens one). A reply that needs more --
+        ``NOSCRIPT`` -- is the caller's to repeat with ``send``."""
+        conn = self._conn
+        if conn is None or conn.closed:
+            return False
+        for command, deadline, then in calls:
+            try:
+                conn.queue(pack(*command), 1, deadline, then)
+            except (TimeoutError, RedisError) as e:  # its deadline passed; a stalled server
+                then(e)
+        conn.flush()
+        return True
+
     async def pipeline(
         self, commands: Sequence[Sequence[Arg]], deadline: float = _NEVER
     ) -> list[Reply]:
@@ -286,7 +350,7 @@ class Client:
                 conn = await self._connection()
         payload = b"".join([pack(*c) for c in commands])
         replies = await conn.request(payload, len(commands), deadline)
-        again = [i for i, r in enumerate(replies) if _noscript(r)] if self._scripts else []
+        again = [i for i, r in enumerate(replies) if noscript(r)] if self._scripts else []
         if again:
             async with _within(deadline):
                 await self._reload_scripts(conn)
@@ -294,6 +358,14 @@ class Client:
             for i, r in zip(again, await conn.request(redo, len(again), deadline), strict=True):
                 replies[i] = r
         return replies
+
+    async def reload_scripts(self, deadline: float = _NEVER) -> None:
+        """Load the scripts again on the open connection, after a reply said ``NOSCRIPT``
+        (callers in one burst share one load). A new connection loads them anyway."""
+        conn = self._conn
+        if self._scripts and conn is not None and not conn.closed:
+            async with _within(deadline):
+                await self._reload_scripts(conn)
 
     async def _reload_scripts(self, conn: Connection) -> None:
         """Load the scripts again on ``conn``; callers in one NOSCRIPT burst share one load
@@ -435,6 +507,13 @@ class ClusterClient:
             raise reply
         return reply
 
+    def send_now(self, calls: Sequence[tuple[Sequence[Arg], float, Then]]) -> bool:
+        """Never at once: routing, redirects and slot map reloads need ``send``."""
+        return False
+
+    async def reload_scripts(self, deadline: float = _NEVER) -> None:
+        """Nothing to do: each node's ``send`` reloads what that node lost."""
+
     async def send(
         self, commands: Sequence[tuple[bytes, Sequence[Arg]]], deadline: float = _NEVER
     ) -> list[Reply]:
@@ -564,7 +643,8 @@ def _within(deadline: float) -> asyncio.Timeout:
     return asyncio.timeout(None if deadline == _NEVER else max(0.0, deadline - time.monotonic()))
 
 
-def _noscript(reply: Reply) -> bool:
+def noscript(reply: Reply) -> bool:
+    """The server has lost the script (``SCRIPT FLUSH``, a restart)."""
     return isinstance(reply, ReplyError) and str(reply).startswith("NOSCRIPT")
 
 

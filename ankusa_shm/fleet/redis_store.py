@@ -18,6 +18,7 @@ never written, or was written late by a call that timed out here and ran after a
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from ankusa_shm.fleet.redis_client import (
     RedisError,
     Reply,
     ReplyError,
+    noscript,
     parse_url,
 )
 from ankusa_shm.hooks import bounded_event_key
@@ -126,12 +128,11 @@ class RedisStore:
         return future
 
     def _send_asks(self) -> None:
-        """The turn is over: one script call per tenant (and limit). Each is a request of
-        its own, so a cluster node that fails fails only its tenants' hooks; the client
-        still writes them all to a connection at once."""
+        """The turn is over: one script call per tenant (and limit), all in one write.
+        Each is a request of its own, so a cluster node that fails fails only its
+        tenants' hooks."""
         groups, self._asks, self._asks_due = self._asks, {}, False
-        loop = self._loop
-        assert loop is not None
+        calls: list[tuple[tuple[bytes, tuple[Arg, ...]], list[_Ask]]] = []
         for (rate_key, limit, pending_ttl_ms), asks in groups.items():
             head: tuple[Arg, ...] = (
                 int(limit is not None),
@@ -142,27 +143,54 @@ class RedisStore:
             for i in range(0, len(asks), ADMITS_PER_CALL):
                 part = asks[i : i + ADMITS_PER_CALL]
                 keys = (rate_key, *[a.key or rate_key for a in part])
-                call = _evalsha(ADMIT, keys, head + tuple(a.token for a in part))
-                task = loop.create_task(self._ask(call, part))
-                self._asking.add(task)
-                task.add_done_callback(self._asking.discard)
+                calls.append((_evalsha(ADMIT, keys, head + tuple(a.token for a in part)), part))
+        now = [
+            (call[1], min(a.deadline for a in part), functools.partial(self._answered, call, part))
+            for call, part in calls
+        ]
+        if not self.client.send_now(now):  # not connected yet, or a cluster
+            for call, part in calls:
+                self._retry(call, part)
 
-    async def _ask(self, call: tuple[bytes, tuple[Arg, ...]], asks: list[_Ask]) -> None:
-        """One admit.lua call; each hook in it gets its own answer."""
+    def _answered(
+        self,
+        call: tuple[bytes, tuple[Arg, ...]],
+        asks: list[_Ask],
+        replies: list[Reply] | BaseException,
+    ) -> None:
+        """From the read callback: each hook its own answer, its task woken next turn."""
+        if isinstance(replies, BaseException):
+            _fail(asks, replies)
+        elif noscript(replies[0]):  # the server lost its scripts
+            self._retry(call, asks, reload=True)
+        else:
+            _hand_out(asks, replies[0])
+
+    def _retry(
+        self, call: tuple[bytes, tuple[Arg, ...]], asks: list[_Ask], reload: bool = False
+    ) -> None:
+        assert self._loop is not None
+        task = self._loop.create_task(self._ask(call, asks, reload))
+        self._asking.add(task)
+        task.add_done_callback(self._asking.discard)
+
+    async def _ask(
+        self, call: tuple[bytes, tuple[Arg, ...]], asks: list[_Ask], reload: bool = False
+    ) -> None:
+        """One admit.lua call through ``send``, which connects (and reloads scripts lost
+        after it sent); ``reload`` them first when a reply said they were lost."""
+        deadline = min(a.deadline for a in asks)
         try:
-            (reply,) = await self.client.send([call], min(a.deadline for a in asks))
+            if reload:
+                await self.client.reload_scripts(deadline)
+            (reply,) = await self.client.send([call], deadline)
         except (TimeoutError, RedisError) as e:
             _fail(asks, e)
             return
         except BaseException:  # cancelled with its loop: no answer is coming
             _fail(asks, RedisError("admission call abandoned"))
             raise
-        if isinstance(reply, ReplyError):
-            _fail(asks, reply)
-            return
-        for j, a in enumerate(asks):
-            if not a.future.done():  # its caller may have given up
-                a.future.set_result((int(reply[2 * j]), reply[2 * j + 1]))
+        _hand_out(asks, reply)
 
     async def settle(
         self, records: Sequence[Record], now_ms: int, deadline: float = _NEVER
@@ -230,6 +258,20 @@ class _Ask:
 def _hash_tag(key: bytes) -> bytes:
     start = key.find(b"{")
     return key[start : key.find(b"}", start) + 1]
+
+
+def _hand_out(asks: Sequence[_Ask], reply: Reply) -> None:
+    """Each hook its part of admit.lua's reply. Called from the read callback: a reply of
+    the wrong shape fails these hooks, and must not raise into the connection."""
+    if isinstance(reply, ReplyError):
+        _fail(asks, reply)
+        return
+    if not isinstance(reply, list) or len(reply) != 2 * len(asks):
+        _fail(asks, RedisError(f"admit.lua answered {str(reply)[:80]!r}"))
+        return
+    for j, a in enumerate(asks):
+        if not a.future.done():  # its caller may have given up
+            a.future.set_result((int(reply[2 * j]), reply[2 * j + 1]))
 
 
 def _fail(asks: Sequence[_Ask], e: BaseException) -> None:
