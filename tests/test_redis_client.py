@@ -8,7 +8,7 @@ import ssl
 import time
 
 import pytest
-from fleet_helpers import run, stopped
+from fleet_helpers import await_until, run, stopped
 from redis_server import RedisServer
 
 from ankusa_shm import config
@@ -233,31 +233,36 @@ def test_deadlines_fail_each_waiter_on_time_and_the_replies_stay_in_order(
 def test_send_now_writes_at_once_and_answers_from_the_read_callback(
     redis_server: RedisServer,
 ) -> None:
-    """``send_now``: False with no connection open (nothing sent); on an open one, its
-    calls go out in one write behind what ``pipeline`` queued earlier in the turn, and
-    each ``then`` gets its own replies in order; a deadline already past is answered at
-    once with TimeoutError, one that passes while the server is stopped by the timer --
-    and the replies that come later still land in order."""
+    """``send_now``: with no connection open, a call connects (by way of ``pipeline``) and
+    is answered; on an open one, its calls go out in one write behind what ``pipeline``
+    queued earlier in the turn, and each ``then`` gets its own replies in order; a
+    deadline already past is answered at once with TimeoutError, one that passes while
+    the server is stopped by the timer -- and the replies that come later still land in
+    order."""
 
     async def body() -> None:
         c = client_for(redis_server)
         got: list[object] = []
+
+        def call(word: str, deadline: float) -> redis_client.Call:
+            return (b"", ("ECHO", word), deadline, got.append)
+
         try:
-            assert not c.send_now([(("ECHO", "never"), time.monotonic() + 1, got.append)])
-            assert got == []
-            await c.call("PING")  # connected now
+            c.send_now([call("connecting", time.monotonic() + 5)])
+            await await_until(lambda: bool(got), "an answer after connecting")
+            assert got == [[b"connecting"]]
+            got.clear()
             earlier = asyncio.ensure_future(c.pipeline([("ECHO", "first")]))
             await asyncio.sleep(0)  # its request is queued, not yet written
             deadline = time.monotonic() + 1
-            calls = [(("ECHO", f"now-{i}"), deadline, got.append) for i in range(3)]
-            assert c.send_now([*calls, (("ECHO", "late"), time.monotonic() - 1, got.append)])
+            c.send_now([*(call(f"now-{i}", deadline) for i in range(3)), call("late", 0.0)])
             assert len(got) == 1 and isinstance(got[0], TimeoutError)  # at once, unsent
             assert await earlier == [b"first"]
-            await asyncio.sleep(0.05)
+            await await_until(lambda: len(got) == 4, "three answers")
             assert got[1:] == [[b"now-0"], [b"now-1"], [b"now-2"]]
             got.clear()
             with stopped(redis_server.pid):
-                assert c.send_now([(("ECHO", "stuck"), time.monotonic() + 0.05, got.append)])
+                c.send_now([call("stuck", time.monotonic() + 0.05)])
                 await asyncio.sleep(0.2)
                 assert len(got) == 1 and isinstance(got[0], TimeoutError)
             assert await c.call("ECHO", "after") == b"after"  # the late reply was dropped

@@ -128,7 +128,7 @@ class Drainer:
     async def _deliver(self, batch: Batch, now_ms: int) -> tuple[int, int, int] | None:
         """One round trip for the batch: (promotes, releases sent, expired); None (batch
         kept) if the store failed."""
-        live = [r for r in batch.records if r.op is Op.PROMOTE or not self._expired(r, now_ms)]
+        live = [r for r in batch.records if not self._expired(r, now_ms)]
         if live:
             self._row.add(Counter.DRAIN_ROUND_TRIPS)
             try:

@@ -16,9 +16,11 @@ still read, and dropped). Per call, a timeout and its timer handle cost more tha
 of the client; one timer per connection costs almost nothing.
 
 A caller that gathers its own requests through a turn of the loop (the fleet's admission)
-sends them with ``send_now``: written at once, their replies handed to a plain function
-from the read callback, so no task and no further turn of the loop stand between a reply
-and the hooks waiting on it.
+sends them with ``send_now``: on an open connection they are written at once and their
+replies handed to a plain function from the read callback, so no task and no further turn
+of the loop stand between a reply and the hooks waiting on it. What needs more -- a
+connection to open, a script cache to reload, a cluster's routing -- goes the way of
+``send``, in a task, and ends in the same function.
 
 Lua scripts a client is given are loaded (``SCRIPT LOAD``) on every connection as part of
 its greeting, so callers only ever send ``EVALSHA``. A server that loses its script cache
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import ssl
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -122,6 +125,7 @@ _LATE_S = 0.001  # a deadline timer firing fails every waiter due within this mu
 
 
 Then = Callable[[list[Reply] | BaseException], None]
+Call = tuple[bytes, Sequence[Arg], float, Then]  # routing key, command, deadline, then
 
 
 class _Callback:
@@ -305,6 +309,7 @@ class Client:
         self._failed_at = 0.0
         self._closed = False
         self._ssl = endpoint.ssl_context()
+        self._tasks: set[asyncio.Future[list[Reply]]] = set()  # send_now's, kept alive
 
     async def call(self, *args: Arg) -> Reply:
         """One command; an error reply raises ``ReplyError``."""
@@ -320,22 +325,42 @@ class Client:
         routing. ``pipeline``'s own coroutine, not one awaiting it: a frame less per hook."""
         return self.pipeline([c for _, c in commands], deadline)
 
-    def send_now(self, calls: Sequence[tuple[Sequence[Arg], float, Then]]) -> bool:
-        """(command, deadline, then) calls written at once, in one write, on the open
-        connection; each one's replies (or failure) are handed to its ``then`` from the
-        read callback, with no task and no turn of the loop in between. False, and nothing
-        sent, if no connection is open (``send`` opens one). A reply that needs more --
-        ``NOSCRIPT`` -- is the caller's to repeat with ``send``."""
+    def send_now(self, calls: Sequence[Call]) -> None:
+        """Each call's replies, or its failure, handed to its ``then``. On an open
+        connection the calls are written at once, in one write, and answered from the
+        read callback; with none open yet, or after a ``NOSCRIPT`` reply, a call goes
+        through ``pipeline`` (which connects), its scripts reloaded first."""
         conn = self._conn
         if conn is None or conn.closed:
-            return False
-        for command, deadline, then in calls:
+            for _, command, deadline, then in calls:
+                _later(self._resend(command, deadline, reload=False), then, self._tasks)
+            return
+        for _, command, deadline, then in calls:
+            replied = functools.partial(self._replied, command, deadline, then)
             try:
-                conn.queue(pack(*command), 1, deadline, then)
+                conn.queue(pack(*command), 1, deadline, replied)
             except (TimeoutError, RedisError) as e:  # its deadline passed; a stalled server
                 then(e)
         conn.flush()
-        return True
+
+    def _replied(
+        self,
+        command: Sequence[Arg],
+        deadline: float,
+        then: Then,
+        replies: list[Reply] | BaseException,
+    ) -> None:
+        if self._scripts and not isinstance(replies, BaseException) and noscript(replies[0]):
+            _later(self._resend(command, deadline, reload=True), then, self._tasks)
+        else:
+            then(replies)
+
+    async def _resend(self, command: Sequence[Arg], deadline: float, reload: bool) -> list[Reply]:
+        conn = self._conn
+        if reload and conn is not None and not conn.closed:  # callers in a burst share it
+            async with _within(deadline):
+                await self._reload_scripts(conn)
+        return await self.pipeline([command], deadline)
 
     async def pipeline(
         self, commands: Sequence[Sequence[Arg]], deadline: float = _NEVER
@@ -358,14 +383,6 @@ class Client:
             for i, r in zip(again, await conn.request(redo, len(again), deadline), strict=True):
                 replies[i] = r
         return replies
-
-    async def reload_scripts(self, deadline: float = _NEVER) -> None:
-        """Load the scripts again on the open connection, after a reply said ``NOSCRIPT``
-        (callers in one burst share one load). A new connection loads them anyway."""
-        conn = self._conn
-        if self._scripts and conn is not None and not conn.closed:
-            async with _within(deadline):
-                await self._reload_scripts(conn)
 
     async def _reload_scripts(self, conn: Connection) -> None:
         """Load the scripts again on ``conn``; callers in one NOSCRIPT burst share one load
@@ -490,6 +507,7 @@ class ClusterClient:
         self._slots: list[tuple[str, int] | None] = [None] * 16384
         self._loaded = False
         self._refreshing: asyncio.Future[None] | None = None
+        self._tasks: set[asyncio.Future[list[Reply]]] = set()  # send_now's, kept alive
         self._failure_refresh_at = float("-inf")
 
     def _node(self, addr: tuple[str, int]) -> Client:
@@ -507,12 +525,11 @@ class ClusterClient:
             raise reply
         return reply
 
-    def send_now(self, calls: Sequence[tuple[Sequence[Arg], float, Then]]) -> bool:
-        """Never at once: routing, redirects and slot map reloads need ``send``."""
-        return False
-
-    async def reload_scripts(self, deadline: float = _NEVER) -> None:
-        """Nothing to do: each node's ``send`` reloads what that node lost."""
+    def send_now(self, calls: Sequence[Call]) -> None:
+        """``Client.send_now``'s contract, always by way of ``send``: routing, redirects
+        and slot map reloads need a task."""
+        for key, command, deadline, then in calls:
+            _later(self.send([(key, command)], deadline), then, self._tasks)
 
     async def send(
         self, commands: Sequence[tuple[bytes, Sequence[Arg]]], deadline: float = _NEVER
@@ -641,6 +658,27 @@ def _within(deadline: float) -> asyncio.Timeout:
     """A timeout at ``deadline`` for the rare waits that are not one request: a connect,
     a script reload."""
     return asyncio.timeout(None if deadline == _NEVER else max(0.0, deadline - time.monotonic()))
+
+
+def _later(
+    call: Coroutine[Any, Any, list[Reply]], then: Then, tasks: set[asyncio.Future[list[Reply]]]
+) -> None:
+    """Run ``call`` as a task, and hand its replies or its failure to ``then``."""
+    task = asyncio.ensure_future(call)
+    tasks.add(task)
+    task.add_done_callback(functools.partial(_hand_over, then, tasks))
+
+
+def _hand_over(
+    then: Then, tasks: set[asyncio.Future[list[Reply]]], task: asyncio.Future[list[Reply]]
+) -> None:
+    tasks.discard(task)
+    if task.cancelled():  # with its loop: no answer is coming
+        then(RedisError("call abandoned"))
+    elif (e := task.exception()) is not None:
+        then(e if isinstance(e, TimeoutError | RedisError) else RedisError(f"call failed: {e!r}"))
+    else:
+        then(task.result())
 
 
 def noscript(reply: Reply) -> bool:

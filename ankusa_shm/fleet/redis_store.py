@@ -27,12 +27,12 @@ from importlib import resources
 from ankusa_shm.config import Fleet as FleetConfig
 from ankusa_shm.fleet.redis_client import (
     Arg,
+    Call,
     Client,
     ClusterClient,
     RedisError,
     Reply,
     ReplyError,
-    noscript,
     parse_url,
 )
 from ankusa_shm.hooks import bounded_event_key
@@ -72,7 +72,6 @@ class RedisStore:
         self._asks: dict[tuple[bytes, Limit | None, int], list[_Ask]] = {}
         self._asks_due = False
         self._loop: asyncio.AbstractEventLoop | None = None  # the running turn's
-        self._asking: set[asyncio.Future[None]] = set()  # the sends in flight, kept alive
 
     @classmethod
     def from_config(
@@ -132,7 +131,7 @@ class RedisStore:
         Each is a request of its own, so a cluster node that fails fails only its
         tenants' hooks."""
         groups, self._asks, self._asks_due = self._asks, {}, False
-        calls: list[tuple[tuple[bytes, tuple[Arg, ...]], list[_Ask]]] = []
+        sends: list[Call] = []
         for (rate_key, limit, pending_ttl_ms), asks in groups.items():
             head: tuple[Arg, ...] = (
                 int(limit is not None),
@@ -143,54 +142,10 @@ class RedisStore:
             for i in range(0, len(asks), ADMITS_PER_CALL):
                 part = asks[i : i + ADMITS_PER_CALL]
                 keys = (rate_key, *[a.key or rate_key for a in part])
-                calls.append((_evalsha(ADMIT, keys, head + tuple(a.token for a in part)), part))
-        now = [
-            (call[1], min(a.deadline for a in part), functools.partial(self._answered, call, part))
-            for call, part in calls
-        ]
-        if not self.client.send_now(now):  # not connected yet, or a cluster
-            for call, part in calls:
-                self._retry(call, part)
-
-    def _answered(
-        self,
-        call: tuple[bytes, tuple[Arg, ...]],
-        asks: list[_Ask],
-        replies: list[Reply] | BaseException,
-    ) -> None:
-        """From the read callback: each hook its own answer, its task woken next turn."""
-        if isinstance(replies, BaseException):
-            _fail(asks, replies)
-        elif noscript(replies[0]):  # the server lost its scripts
-            self._retry(call, asks, reload=True)
-        else:
-            _hand_out(asks, replies[0])
-
-    def _retry(
-        self, call: tuple[bytes, tuple[Arg, ...]], asks: list[_Ask], reload: bool = False
-    ) -> None:
-        assert self._loop is not None
-        task = self._loop.create_task(self._ask(call, asks, reload))
-        self._asking.add(task)
-        task.add_done_callback(self._asking.discard)
-
-    async def _ask(
-        self, call: tuple[bytes, tuple[Arg, ...]], asks: list[_Ask], reload: bool = False
-    ) -> None:
-        """One admit.lua call through ``send``, which connects (and reloads scripts lost
-        after it sent); ``reload`` them first when a reply said they were lost."""
-        deadline = min(a.deadline for a in asks)
-        try:
-            if reload:
-                await self.client.reload_scripts(deadline)
-            (reply,) = await self.client.send([call], deadline)
-        except (TimeoutError, RedisError) as e:
-            _fail(asks, e)
-            return
-        except BaseException:  # cancelled with its loop: no answer is coming
-            _fail(asks, RedisError("admission call abandoned"))
-            raise
-        _hand_out(asks, reply)
+                key, command = _evalsha(ADMIT, keys, head + tuple(a.token for a in part))
+                deadline = min(a.deadline for a in part)
+                sends.append((key, command, deadline, functools.partial(_answered, part)))
+        self.client.send_now(sends)
 
     async def settle(
         self, records: Sequence[Record], now_ms: int, deadline: float = _NEVER
@@ -258,6 +213,13 @@ class _Ask:
 def _hash_tag(key: bytes) -> bytes:
     start = key.find(b"{")
     return key[start : key.find(b"}", start) + 1]
+
+
+def _answered(asks: Sequence[_Ask], replies: list[Reply] | BaseException) -> None:
+    if isinstance(replies, BaseException):
+        _fail(asks, replies)
+    else:
+        _hand_out(asks, replies[0])
 
 
 def _hand_out(asks: Sequence[_Ask], reply: Reply) -> None:
