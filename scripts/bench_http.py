@@ -24,9 +24,12 @@ of the requests that connection would have sent meanwhile. So p99 reads as an op
 sender would see it, and one stall of every connection weighs far more than its count:
 a single 170 ms stall in a 10 s run at 16 k hooks/s puts p99 near 75 ms.
 
-Name targets to run only those:
+Name targets to run only those. ``--rounds N`` runs every target N times in turn, each
+with a fresh store; each figure is then the median over the rounds, and each ratio the
+median of the ratios within a round, so a machine whose speed drifts during the run moves
+both sides of a ratio together:
 
-  .venv/bin/python scripts/bench_http.py [bare] [node] [fleet] [peer]
+  .venv/bin/python scripts/bench_http.py [--rounds N] [bare] [node] [fleet] [peer]
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import shlex
 import shutil
 import signal
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -382,6 +386,10 @@ def ankusa_target(
 
 def peer_target(port: int, work: Path, redis_url: str) -> Target:
     store = work / "peer.db"
+    # In WAL mode before its workers start, as a deploy's migration would leave it: two
+    # workers switching a new file to WAL at once can get "database is locked" at start.
+    with contextlib.closing(sqlite3.connect(store)) as db:
+        db.execute("PRAGMA journal_mode = WAL")
     argv = [
         sys.executable, "-m", "uvicorn", "app:app", "--app-dir", str(ROOT / "benchmarks/peer"),
         "--host", "127.0.0.1", "--port", str(port), "--workers", str(WORKERS),
@@ -608,13 +616,71 @@ def prepare(work: Path) -> tuple[Path, Path]:
     return pool, lua
 
 
+def parse_args(argv: list[str]) -> tuple[list[str], int] | str:
+    """(targets, rounds), or what is wrong with ``argv``."""
+    rounds, names = 1, []
+    args = iter(argv)
+    for a in args:
+        if a == "--rounds":
+            value = next(args, "")
+            if not value.isdigit() or int(value) < 1:
+                return f"--rounds takes a whole number of at least 1, not {value!r}"
+            rounds = int(value)
+        elif a in TARGETS:
+            names.append(a)
+        else:
+            return f"unknown target {a!r}; targets: {', '.join(TARGETS)}"
+    return names or list(TARGETS), rounds
+
+
+def run_round(
+    only: list[str], work: Path, lua: Path, pool: Path, redis: RedisServer | None, label: str
+) -> tuple[dict[str, Result], list[str]]:
+    """Each target once, in order, with stores of their own under ``work``."""
+    results: dict[str, Result] = {}
+    failed: list[str] = []
+    work.mkdir()
+    for name in only:
+        port = free_port()
+        if redis is not None:
+            with redis.client() as r:
+                r.flushall()
+        url = redis.url if redis else "redis://127.0.0.1:1/0"  # node scope never calls it
+        if name == "bare":
+            t = bare_target(port)
+        elif name == "peer":
+            t = peer_target(port, work, url)
+        else:
+            t = ankusa_target(name, port, work, url)
+        uses_redis = redis if name in ("fleet", "peer") else None
+        try:
+            results[name] = run_target(t, port, work, lua, pool, uses_redis)
+        except RuntimeError as e:
+            failed.append(name)
+            print(f"{label}{name:<6}FAILED: {e}", flush=True)
+            continue
+        print(f"{label}{line(results[name])}\n       ({NOTES[name]})", flush=True)
+    return results, failed
+
+
+def median(runs: list[Result], figure: Callable[[Result], float]) -> float:
+    return statistics.median(figure(r) for r in runs)
+
+
+RATIOS = (
+    ("node_vs_peer", "node", "peer", 10.0),
+    ("fleet_vs_node", "fleet", "node", 0.70),
+    ("node_vs_bare", "node", "bare", None),
+)
+
+
 def main() -> int:
     print("command: " + " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
-    only = sys.argv[1:] or list(TARGETS)
-    unknown = [t for t in only if t not in TARGETS]
-    if unknown:
-        print(f"bench_http: unknown target {unknown[0]!r}; targets: {', '.join(TARGETS)}")
+    parsed = parse_args(sys.argv[1:])
+    if isinstance(parsed, str):
+        print(f"bench_http: {parsed}")
         return 2
+    only, rounds = parsed
     if shutil.which("wrk") is None:
         print("bench_http: wrk is not on PATH; install it (apt-get install -y wrk).")
         return 1
@@ -625,67 +691,64 @@ def main() -> int:
     print(
         f"load: wrk -t{THREADS} -c{CONNECTIONS}, {WARMUP_S} s warm-up then {DURATION_S} s "
         f"measured, closed loop; {WORKERS} server workers; {cores} cores shared by all"
+        + (f"; {rounds} rounds of every target in turn" if rounds > 1 else "")
     )
     work = Path(tempfile.mkdtemp(prefix="bench-http-"))
     redis: RedisServer | None = None
-    results: dict[str, Result] = {}
+    each: list[dict[str, Result]] = []
     failed: list[str] = []
     try:
         pool, lua = prepare(work)
         if {"fleet", "peer"} & set(only):
             redis = RedisServer()
-        for name in only:
-            port = free_port()
-            if redis is not None:
-                with redis.client() as r:
-                    r.flushall()
-            url = redis.url if redis else "redis://127.0.0.1:1/0"  # node scope never calls it
-            if name == "bare":
-                t = bare_target(port)
-            elif name == "peer":
-                t = peer_target(port, work, url)
-            else:
-                t = ankusa_target(name, port, work, url)
-            uses_redis = redis if name in ("fleet", "peer") else None
-            try:
-                result = run_target(t, port, work, lua, pool, uses_redis)
-            except RuntimeError as e:
-                failed.append(name)
-                print(f"{name:<6}FAILED: {e}", flush=True)
-                continue
-            results[name] = result
-            print(f"{line(result)}\n       ({NOTES[name]})", flush=True)
+        for n in range(rounds):
+            label = f"[{n + 1}] " if rounds > 1 else ""
+            results, failures = run_round(only, work / f"round-{n + 1}", lua, pool, redis, label)
+            each.append(results)
+            failed += failures
     finally:
         if redis is not None:
             redis.close()
         shutil.rmtree(work, ignore_errors=True)
 
-    figures: dict[str, float | int] = {"connections": CONNECTIONS, "duration_s": DURATION_S}
-    for name, r in results.items():
-        figures[f"{name}_hooks_per_s"] = round(r.hooks_per_s, 1)
-        figures[f"{name}_p50_ms"] = round(r.run.p50_ms, 3)
-        figures[f"{name}_p99_ms"] = round(r.run.p99_ms, 3)
-        figures[f"{name}_max_ms"] = round(r.run.max_ms, 3)
-        figures[f"{name}_non_2xx"] = r.run.non_2xx
-        figures[f"{name}_lost"] = r.lost
-        figures[f"{name}_wrk_cpu_share"] = round(share(r.run.cpu_s, r.run.duration_s), 3)
-        figures[f"{name}_server_cpu_share"] = round(share(r.server_cpu_s, r.run.duration_s), 3)
-        figures[f"{name}_machine_busy"] = round(r.machine_busy, 3)
-    print("ratios:")
-    for key, a, b, goal in (
-        ("node_vs_peer", "node", "peer", 10.0),
-        ("fleet_vs_node", "fleet", "node", 0.70),
-        ("node_vs_bare", "node", "bare", None),
-    ):
-        if a in results and b in results and results[b].hooks_per_s > 0:
-            figures[key] = ratio = round(results[a].hooks_per_s / results[b].hooks_per_s, 3)
-            target = "" if goal is None else f"target >= {goal:g}: {verdict(ratio >= goal)}"
-            print(f"  {key:<14} {ratio:>8.2f}x  {target}")
-    if "node" in results:
-        p99 = results["node"].run.p99_ms
+    figures: dict[str, Any] = {"connections": CONNECTIONS, "duration_s": DURATION_S}
+    figures["rounds"] = rounds
+    for name in only:
+        runs = [r[name] for r in each if name in r]
+        if not runs:
+            continue
+        figures[f"{name}_hooks_per_s"] = round(median(runs, lambda r: r.hooks_per_s), 1)
+        figures[f"{name}_p50_ms"] = round(median(runs, lambda r: r.run.p50_ms), 3)
+        figures[f"{name}_p99_ms"] = round(median(runs, lambda r: r.run.p99_ms), 3)
+        figures[f"{name}_max_ms"] = round(max(r.run.max_ms for r in runs), 3)
+        figures[f"{name}_non_2xx"] = sum(r.run.non_2xx for r in runs)
+        figures[f"{name}_lost"] = sum(r.lost for r in runs)
+        wrk_cpu = median(runs, lambda r: share(r.run.cpu_s, r.run.duration_s))
+        server_cpu = median(runs, lambda r: share(r.server_cpu_s, r.run.duration_s))
+        figures[f"{name}_wrk_cpu_share"] = round(wrk_cpu, 3)
+        figures[f"{name}_server_cpu_share"] = round(server_cpu, 3)
+        figures[f"{name}_machine_busy"] = round(median(runs, lambda r: r.machine_busy), 3)
+    print("ratios" + (" (the median of each round's own)" if rounds > 1 else "") + ":")
+    for key, a, b, goal in RATIOS:
+        per_round = [
+            r[a].hooks_per_s / r[b].hooks_per_s
+            for r in each
+            if a in r and b in r and r[b].hooks_per_s > 0
+        ]
+        if not per_round:
+            continue
+        figures[key] = ratio = round(statistics.median(per_round), 3)
+        spread = f"  rounds {' '.join(f'{x:.2f}' for x in per_round)}" if rounds > 1 else ""
+        if rounds > 1:
+            figures[f"{key}_rounds"] = [round(x, 3) for x in per_round]
+        target = "" if goal is None else f"target >= {goal:g}: {verdict(ratio >= goal)}"
+        print(f"  {key:<14} {ratio:>8.2f}x  {target}{spread}")
+    if "node_p99_ms" in figures:
+        p99 = figures["node_p99_ms"]
         print(f"  node p99       {p99:>8.2f} ms target <= 20 ms: {verdict(p99 <= 20)}")
     print(json.dumps(figures, sort_keys=True))
-    return 1 if failed or any(r.lost for r in results.values()) else 0
+    lost_any = any(r.lost for results in each for r in results.values())
+    return 1 if failed or lost_any else 0
 
 
 if __name__ == "__main__":
