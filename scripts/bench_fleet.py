@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # red
 
 import redis.asyncio as aioredis
 import uvloop
+from bench_http import cpu_s  # CPU seconds from /proc
 from redis_server import RedisServer
 
 from ankusa_shm import child, config
@@ -82,12 +83,6 @@ def new_segment(name: str, queue: int) -> Segment:
 Timing = tuple[float, float, float]  # wall s, this process's cpu s, redis-server's cpu s
 
 
-def cpu_of(pid: int) -> float:
-    """A process's user + system CPU seconds, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def timed(n: int, body: Callable[[int], Awaitable[object]], server: RedisServer) -> Timing:
     """Run body(i) for i < n over CONCURRENCY tasks."""
 
@@ -95,9 +90,10 @@ async def timed(n: int, body: Callable[[int], Awaitable[object]], server: RedisS
         for i in range(k, n, CONCURRENCY):
             await body(i)
 
-    t, c, r = time.perf_counter(), time.process_time(), cpu_of(server.pid)
+    t, c, r = time.perf_counter(), time.process_time(), cpu_s([server.pid])[server.pid]
     await asyncio.gather(*(lane(k) for k in range(CONCURRENCY)))
-    return time.perf_counter() - t, time.process_time() - c, cpu_of(server.pid) - r
+    redis_cpu = cpu_s([server.pid])[server.pid] - r
+    return time.perf_counter() - t, time.process_time() - c, redis_cpu
 
 
 def _admit_run(server: RedisServer, scope: str, n: int) -> Timing:

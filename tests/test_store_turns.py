@@ -21,16 +21,21 @@ def tickets_taken(seg: Segment) -> int:
     return seg.view.load(seg.layout.offset("store") + L.ST_TICKETS)
 
 
+def serving(seg: Segment) -> int:
+    """The ticket whose turn it is; every ticket below it has had its turn."""
+    return seg.view.load(seg.layout.offset("store") + L.ST_SERVING)
+
+
 def test_tickets_are_served_in_order_and_the_queue_never_moves_back(seg: Segment) -> None:
     turns = Turns(seg.view, seg.layout)
     assert [turns.ticket() for _ in range(3)] == [0, 1, 2]
-    assert turns.serving() == 0
+    assert serving(seg) == 0
     turns.served(0)
-    assert turns.serving() == 1
+    assert serving(seg) == 1
     turns.served(2)  # ticket 1 died waiting; 2 waited it out and had its turn
-    assert turns.serving() == 3
+    assert serving(seg) == 3
     turns.served(1)  # late news of a turn long passed moves nothing
-    assert turns.serving() == 3
+    assert serving(seg) == 3
 
 
 def _take_in_turn(seg_name: str, lock_file: str, log: str) -> None:
@@ -67,7 +72,7 @@ def test_a_holder_that_wants_the_lock_again_waits_behind_the_writer_already_wait
         child.join(TIMEOUT_S)
         assert child.exitcode == 0
         assert log.read_text().splitlines() == ["waiter", "holder again"]
-        assert turns.serving() == 3
+        assert serving(seg) == 3
     finally:
         if child.is_alive():
             child.kill()
@@ -92,17 +97,17 @@ def test_a_writer_killed_while_waiting_for_its_turn_costs_the_next_one_its_wait_
     os.kill(child.pid or 0, signal.SIGKILL)
     child.join(TIMEOUT_S)
     holder.release()
-    assert turns.serving() == 1  # the dead writer's turn, which never comes
+    assert serving(seg) == 1  # the dead writer's turn, which never comes
 
     late = WriteLock(lock_file, turns, turn_wait_s=0.1)
     began = time.monotonic()
     late.acquire()  # ticket 2 waits out the dead turn, then takes the lock
     assert time.monotonic() - began >= 0.1
     late.release()
-    assert turns.serving() == 3  # healed: the next ticket's turn has come
+    assert serving(seg) == 3  # healed: the next ticket's turn has come
     late.acquire()
     late.release()
-    assert turns.serving() == 4
+    assert serving(seg) == 4
     holder.close()
     late.close()
 
@@ -118,12 +123,12 @@ def test_a_bounded_wait_takes_its_turn_and_gives_it_up_when_it_times_out(
     holder.acquire()  # ticket 0
     bounded = WriteLock(lock_file, turns, turn_wait_s=TIMEOUT_S)
     assert bounded.wait_within(0.1) is False  # ticket 1: its turn never came in time
-    assert turns.serving() == 2  # given up: it is nobody's turn to wait for
+    assert serving(seg) == 2  # given up: it is nobody's turn to wait for
     holder.release()
-    assert turns.serving() == 2
+    assert serving(seg) == 2
     assert bounded.wait_within(TIMEOUT_S) is True  # ticket 2: its turn, and the lock
-    assert turns.serving() == 2
+    assert serving(seg) == 2
     bounded.release()
-    assert turns.serving() == 3
+    assert serving(seg) == 3
     holder.close()
     bounded.close()

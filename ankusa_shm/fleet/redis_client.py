@@ -333,7 +333,7 @@ class Client:
         conn = self._conn
         if conn is None or conn.closed:
             for _, command, deadline, then in calls:
-                _later(self._resend(command, deadline, reload=False), then, self._tasks)
+                _later(self.pipeline([command], deadline), then, self._tasks)
             return
         for _, command, deadline, then in calls:
             replied = functools.partial(self._replied, command, deadline, then)
@@ -351,13 +351,15 @@ class Client:
         replies: list[Reply] | BaseException,
     ) -> None:
         if self._scripts and not isinstance(replies, BaseException) and noscript(replies[0]):
-            _later(self._resend(command, deadline, reload=True), then, self._tasks)
+            _later(self._reload_and_resend(command, deadline), then, self._tasks)
         else:
             then(replies)
 
-    async def _resend(self, command: Sequence[Arg], deadline: float, reload: bool) -> list[Reply]:
+    async def _reload_and_resend(self, command: Sequence[Arg], deadline: float) -> list[Reply]:
+        """After a ``NOSCRIPT``: the scripts first (callers in a burst share one reload),
+        so the call is not sent once more only to be refused again."""
         conn = self._conn
-        if reload and conn is not None and not conn.closed:  # callers in a burst share it
+        if conn is not None and not conn.closed:
             async with _within(deadline):
                 await self._reload_scripts(conn)
         return await self.pipeline([command], deadline)

@@ -32,10 +32,6 @@ class Turns:
         """The next ticket: a place in the queue."""
         return self._view.add(self._tickets, 1)
 
-    def serving(self) -> int:
-        """The ticket whose turn it is; every ticket below it has had its turn."""
-        return self._view.load(self._serving)
-
     def wait(self, ticket: int, timeout_s: float) -> bool:
         """Sleep until ``ticket``'s turn has come (True) or ``timeout_s`` has passed. A
         futex, without the GIL: the writer's thread does not take it back from its busy
