@@ -92,7 +92,9 @@ def test_a_killed_process_keeps_its_observations_and_its_slot_successor_adds(
         victim.join(60)
     before = histograms.totals(seg.view, seg.layout)[Histogram.COMMIT]
     assert before.count >= 1_000
-    assert before.sum == before.count * 3 * MS
+    # Killed between an observation's two fetch-adds, the last one is counted without its
+    # value (seen once in the suite); nothing else may be lost.
+    assert before.sum in (before.count * 3 * MS, (before.count - 1) * 3 * MS)
     # The dead process's slot is claimed again: the row is not zeroed, only added to.
     slot = procs.claim(seg.view, seg.layout, procs.Role.WORKER)
     HistogramRow(seg.view, seg.layout, slot.index).observe(Histogram.COMMIT, 3 * MS)

@@ -5,7 +5,9 @@ Each histogram is a fixed list of upper bounds. An observation adds one to the f
 bucket whose bound is at least the value (the last bucket has none: +Inf) and the value
 to the sum: two fetch-adds on the observer's own line. Buckets are kept per bucket, not
 cumulative, so each observation touches one of them; Prometheus's cumulative counts and
-the total are made on read, and can never disagree with each other.
+the total are made on read, and can never disagree with each other. The sum can, by one
+observation: a process killed between the two fetch-adds leaves its last one counted
+without its value (Prometheus does not promise ``_sum`` and ``_count`` agree either).
 """
 
 from __future__ import annotations
