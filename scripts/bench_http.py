@@ -8,13 +8,14 @@
          + SQLite WAL, synchronous=FULL, one commit per hook (benchmarks/peer/app.py)
 
 Each server gets WORKERS processes and the same closed-loop load from wrk (one thread,
-CONNECTIONS connections, a warm-up, then DURATION_S measured). Every request is a distinct
+CONNECTIONS connections unless ``--connections`` says otherwise, a warm-up, then
+DURATION_S measured). Every request is a distinct
 GitHub-style hook: its own x-github-delivery, its body signed with HMAC-SHA256. wrk's Lua
 has no HMAC, so the signatures are computed here and a generated script cycles through
 them; none repeats within a run, and a wrap-around would be counted and shown.
 
 Afterwards each store is counted: every 201 must be a stored row (rows may exceed 201s by
-the requests still in flight when wrk stopped, at most CONNECTIONS). The figures are 201s
+the requests still in flight when wrk stopped, at most one per connection). The figures are 201s
 per second ("accepted durable hooks/s"), latency p50/p99/max, wrk's own CPU, and the
 ratios; the last line is one JSON object.
 
@@ -27,9 +28,11 @@ a single 170 ms stall in a 10 s run at 16 k hooks/s puts p99 near 75 ms.
 Name targets to run only those. ``--rounds N`` runs every target N times in turn, each
 with a fresh store; each figure is then the median over the rounds, and each ratio the
 median of the ratios within a round, so a machine whose speed drifts during the run moves
-both sides of a ratio together:
+both sides of a ratio together. ``--connections N`` changes the load: with a closed loop,
+more connections means more hooks in flight, so the figures move from latency-bound towards
+throughput-bound (the targets are stated for the default):
 
-  .venv/bin/python scripts/bench_http.py [--rounds N] [bare] [node] [fleet] [peer]
+  .venv/bin/python scripts/bench_http.py [--rounds N] [--connections N] [bare] [node] [fleet] [peer]
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # redis_server
@@ -247,6 +250,7 @@ class WrkRun:
     max_ms: float
     wraps: int
     cpu_s: float
+    connections: int
 
     @property
     def accepted(self) -> int:
@@ -270,13 +274,14 @@ def wrk(
     count: int,
     seconds: int,
     on_start: Callable[[], None] = lambda: None,
+    connections: int = CONNECTIONS,
 ) -> WrkRun:
     """One wrk run. Its CPU time is counted from the moment it starts sending, which it
     announces with "Running ..." (line-buffered by stdbuf: loading the pool into Lua
     comes before and is not part of the load), to the kernel's total when it is reaped.
     ``on_start`` is called at that same moment."""
     cmd = [
-        "stdbuf", "-oL", "wrk", f"-t{THREADS}", f"-c{CONNECTIONS}", f"-d{seconds}s",
+        "stdbuf", "-oL", "wrk", f"-t{THREADS}", f"-c{connections}", f"-d{seconds}s",
         "--latency", "--timeout", WRK_TIMEOUT, "-s", str(lua), url,
         "--", str(pool), str(first), str(count), str(THREADS),
     ]  # fmt: skip
@@ -306,6 +311,7 @@ def wrk(
         max_ms=r["max_us"] / 1000,
         wraps=r["wraps"],
         cpu_s=usage.ru_utime + usage.ru_stime - loading,
+        connections=connections,
     )
 
 
@@ -512,6 +518,7 @@ def run_target(
     redis: RedisServer | None,
     during: During | None = None,
     seconds: int = DURATION_S,
+    connections: int = CONNECTIONS,
 ) -> Result:
     log = work / f"{t.name}.log"
     env = {**os.environ, SECRET_ENV: SECRET, **t.env}
@@ -523,7 +530,7 @@ def run_target(
         wait_ready(port, proc, log)
         url = f"http://127.0.0.1:{port}"
         warm_first = int(POOL * (1 - WARMUP_SHARE))
-        wrk(url, lua, pool, warm_first, POOL - warm_first, WARMUP_S)
+        wrk(url, lua, pool, warm_first, POOL - warm_first, WARMUP_S, connections=connections)
         count = functools.partial(t.count, t.store) if t.count and t.store else None
         before = settled(count) if count else 0
         pids = tree(proc.pid)
@@ -540,7 +547,7 @@ def run_target(
             if during is not None:
                 beside.append(during())
 
-        run = wrk(url, lua, pool, 0, warm_first, seconds, started)
+        run = wrk(url, lua, pool, 0, warm_first, seconds, started, connections)
         extra = beside[0]() if beside else {}
         cpu1, rcpu1 = cpu_s(pids), cpu_s(redis_pids)
         machine1 = machine_ticks()
@@ -590,7 +597,7 @@ def line(r: Result) -> str:
         parts.append(f"WRAPPED {run.wraps}x: repeats answered as duplicates")
     if r.lost:
         parts.append(f"LOST {r.lost} accepted hooks")
-    if r.stored is not None and r.stored > run.accepted + CONNECTIONS:
+    if r.stored is not None and r.stored > run.accepted + run.connections:
         parts.append(f"{r.stored - run.accepted} rows more than 201s: more than were in flight")
     if "redis_committed" in r.extra:
         parts.append(
@@ -616,25 +623,38 @@ def prepare(work: Path) -> tuple[Path, Path]:
     return pool, lua
 
 
-def parse_args(argv: list[str]) -> tuple[list[str], int] | str:
-    """(targets, rounds), or what is wrong with ``argv``."""
-    rounds, names = 1, []
+class Args(NamedTuple):
+    targets: list[str]
+    rounds: int
+    connections: int
+
+
+def parse_args(argv: list[str]) -> Args | str:
+    """What ``argv`` asks for, or what is wrong with it."""
+    counts = {"--rounds": 1, "--connections": CONNECTIONS}
+    names = []
     args = iter(argv)
     for a in args:
-        if a == "--rounds":
+        if a in counts:
             value = next(args, "")
             if not value.isdigit() or int(value) < 1:
-                return f"--rounds takes a whole number of at least 1, not {value!r}"
-            rounds = int(value)
+                return f"{a} takes a whole number of at least 1, not {value!r}"
+            counts[a] = int(value)
         elif a in TARGETS:
             names.append(a)
         else:
             return f"unknown target {a!r}; targets: {', '.join(TARGETS)}"
-    return names or list(TARGETS), rounds
+    return Args(names or list(TARGETS), counts["--rounds"], counts["--connections"])
 
 
 def run_round(
-    only: list[str], work: Path, lua: Path, pool: Path, redis: RedisServer | None, label: str
+    only: list[str],
+    work: Path,
+    lua: Path,
+    pool: Path,
+    redis: RedisServer | None,
+    label: str,
+    connections: int = CONNECTIONS,
 ) -> tuple[dict[str, Result], list[str]]:
     """Each target once, in order, with stores of their own under ``work``."""
     results: dict[str, Result] = {}
@@ -654,7 +674,9 @@ def run_round(
             t = ankusa_target(name, port, work, url)
         uses_redis = redis if name in ("fleet", "peer") else None
         try:
-            results[name] = run_target(t, port, work, lua, pool, uses_redis)
+            results[name] = run_target(
+                t, port, work, lua, pool, uses_redis, connections=connections
+            )
         except RuntimeError as e:
             failed.append(name)
             print(f"{label}{name:<6}FAILED: {e}", flush=True)
@@ -680,7 +702,7 @@ def main() -> int:
     if isinstance(parsed, str):
         print(f"bench_http: {parsed}")
         return 2
-    only, rounds = parsed
+    only, rounds, connections = parsed
     if shutil.which("wrk") is None:
         print("bench_http: wrk is not on PATH; install it (apt-get install -y wrk).")
         return 1
@@ -689,7 +711,7 @@ def main() -> int:
         return 1
     cores = os.cpu_count()
     print(
-        f"load: wrk -t{THREADS} -c{CONNECTIONS}, {WARMUP_S} s warm-up then {DURATION_S} s "
+        f"load: wrk -t{THREADS} -c{connections}, {WARMUP_S} s warm-up then {DURATION_S} s "
         f"measured, closed loop; {WORKERS} server workers; {cores} cores shared by all"
         + (f"; {rounds} rounds of every target in turn" if rounds > 1 else "")
     )
@@ -703,7 +725,8 @@ def main() -> int:
             redis = RedisServer()
         for n in range(rounds):
             label = f"[{n + 1}] " if rounds > 1 else ""
-            results, failures = run_round(only, work / f"round-{n + 1}", lua, pool, redis, label)
+            round_work = work / f"round-{n + 1}"
+            results, failures = run_round(only, round_work, lua, pool, redis, label, connections)
             each.append(results)
             failed += failures
     finally:
@@ -711,7 +734,7 @@ def main() -> int:
             redis.close()
         shutil.rmtree(work, ignore_errors=True)
 
-    figures: dict[str, Any] = {"connections": CONNECTIONS, "duration_s": DURATION_S}
+    figures: dict[str, Any] = {"connections": connections, "duration_s": DURATION_S}
     figures["rounds"] = rounds
     for name in only:
         runs = [r[name] for r in each if name in r]
