@@ -37,9 +37,8 @@ from fleet_helpers import (
 from prometheus_client.parser import text_string_to_metric_families
 from redis_server import RedisServer
 
-from ankusa_shm import metrics
+from ankusa_shm import config, metrics
 from ankusa_shm.config import Config
-from ankusa_shm.fleet import drainer
 from ankusa_shm.fleet.admission import Admit, Admitted, Claim, Fleet, RateLimited
 from ankusa_shm.fleet.drainer import Drainer
 from ankusa_shm.fleet.redis_store import RedisStore
@@ -175,16 +174,16 @@ def test_drainer_keeps_its_batch_while_redis_is_down(redis_server: RedisServer) 
         assert values == [committed(i) for i in range(5)]
 
 
-def test_an_idle_drainer_looks_seldom_and_still_answers_the_first_operation(
-    redis_server: RedisServer,
-) -> None:
-    """An empty queue is looked at less and less often, down to every IDLE_MAX_S (not every
-    settle_interval_ms: 200 wake-ups a second on a host with nothing to do); an operation
-    queued after a long idle spell is still delivered within about that pause."""
+def test_an_idle_drainer_sleeps_until_an_operation_is_queued(redis_server: RedisServer) -> None:
+    """An empty queue is not polled: asleep, the drainer looks only for its heartbeat (here
+    every 30 s), yet an operation queued after an idle spell is delivered at once -- its
+    producer wakes the drainer -- and a stop while asleep ends the run at once too."""
     with segments(1) as (seg,):
-        cfg = fleet_config(redis_server.url, bare(seg), settle_interval_ms=5)
+        raw = fleet_raw(redis_server.url, bare(seg), settle_interval_ms=5)
+        raw["server"]["heartbeat_timeout_s"] = 120.0
+        cfg = config.parse(raw, "idle-test")
 
-        async def body() -> float:
+        async def body() -> tuple[int, float, float]:
             slot = procs.claim(seg.view, seg.layout, Role.DRAINER)
             store = RedisStore.from_config(cfg.fleet)
             stop = asyncio.Event()
@@ -199,24 +198,30 @@ def test_an_idle_drainer_looks_seldom_and_still_answers_the_first_operation(
             d._queue.peek = counting_peek  # type: ignore[method-assign,assignment]
             task = asyncio.create_task(d.run(stop))
             try:
-                await asyncio.sleep(0.3)  # past the ramp from 5 ms to IDLE_MAX_S
+                await asyncio.sleep(0.3)
                 looks[0] = 0
                 await asyncio.sleep(1.0)
-                assert looks[0] <= 40, looks[0]  # every 50 ms: 20; every 5 ms it was 200
+                idle_looks = looks[0]
                 async with open_fleet(cfg, seg) as fleet:
                     c = claim_of(await admit(fleet, cfg, "after-idle"))
                     queued = time.monotonic()
                     fleet.settle(c, Committed("hook-idle"))
                 await await_until(lambda: seg.queue_depth() == 0, "the first delivery")
-                return time.monotonic() - queued
+                took = time.monotonic() - queued
+                await asyncio.sleep(0.3)  # asleep again
             finally:
+                asked = time.monotonic()
                 stop.set()
                 await task
+                stop_took = time.monotonic() - asked
                 await store.close()
                 slot.release()
+            return idle_looks, took, stop_took
 
-        took = run(body())
-        assert took < drainer.IDLE_MAX_S + 0.5, took
+        idle_looks, took, stop_took = run(body())
+        assert idle_looks == 0  # polling every 5 ms looked 200 times, every 50 ms 20
+        assert took < 5.0, took  # not the 30 s of a heartbeat
+        assert stop_took < 5.0, stop_took
         with redis_server.client() as r:
             assert committed_values(r, [dd_key("after-idle")]) == [b"c:hook-idle"]
 

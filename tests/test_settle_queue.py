@@ -316,6 +316,98 @@ def test_concurrent_producers_never_see_a_false_full(seg_name: str) -> None:
 # -- producers that die or stall between reserving and publishing --------------------------
 
 
+def _push_once_asleep(name: str) -> None:
+    """Push one record once the consumer has said it is asleep."""
+    with Segment.attach(name) as s:
+        sleeping = s.layout.offset("queue") + L.Q_SLEEPING
+        deadline = time.monotonic() + 60
+        while not s.view.load(sleeping):
+            assert time.monotonic() < deadline, "the consumer never fell asleep"
+            time.sleep(0.001)
+        assert queue(s).push(rec(0)) is Pushed.OK
+
+
+def test_a_sleeping_consumer_is_woken_by_another_process_s_push(seg: Segment) -> None:
+    q = queue(seg)
+    q.become_consumer()
+    with Children() as kids:
+        kids.start(_push_once_asleep, seg.name)
+        t0 = time.monotonic()
+        assert q.wait_for_records(30.0)
+        took = time.monotonic() - t0
+        kids.join()
+    assert took < 10.0, took  # woken, not timed out
+    assert drain(q) == [rec(0)]
+    assert not seg.view.load(seg.layout.offset("queue") + L.Q_SLEEPING)
+
+
+def test_a_consumer_does_not_sleep_with_a_record_published_or_reserved(seg: Segment) -> None:
+    q = queue(seg)
+    q.become_consumer()
+    assert q.push(rec(0)) is Pushed.OK
+    t0 = time.monotonic()
+    assert q.wait_for_records(30.0)
+    drain(q)
+    with Children() as kids:  # reserved, never published: its producer may be dead
+        reserved = CTX.Event()
+        kids.start(_reserve_and_hang, seg.name, reserved)
+        assert reserved.wait(60)
+        assert q.wait_for_records(30.0)
+    assert time.monotonic() - t0 < 10.0
+
+
+def test_a_consumer_with_nothing_coming_wakes_at_its_timeout(seg: Segment) -> None:
+    q = queue(seg)
+    q.become_consumer()
+    t0 = time.monotonic()
+    assert not q.wait_for_records(0.2)
+    assert time.monotonic() - t0 >= 0.2
+
+
+def _produce_in_bursts(i: int, name: str, n: int, start: Barrier) -> None:
+    """Push n records in bursts of 50 with a pause after each, so that the consumer falls
+    asleep between bursts again and again."""
+    with Segment.attach(name) as s:
+        q = queue(s)
+        start.wait(60)
+        for seq in range(n):
+            while q.push(rec(seq, i)) is not Pushed.OK:
+                os.sched_yield()
+            if seq % 50 == 49:
+                time.sleep(0.0005 * (1 + i))
+
+
+def test_producers_never_leave_the_consumer_asleep(seg: Segment) -> None:
+    """Every time the consumer finds nothing it sleeps (up to 10 s); each burst must wake
+    it. A wake-up lost between its last look and its sleep would show as a timeout."""
+    n = 5_000
+    q = queue(seg)
+    q.become_consumer()
+    got: dict[int, list[int]] = {p: [] for p in range(PRODUCERS)}
+    sleeps = timeouts = 0
+    with Children() as kids:
+        start = CTX.Barrier(PRODUCERS)
+        for p in range(PRODUCERS):
+            kids.start(_produce_in_bursts, p, seg.name, n, start)
+        consumed = 0
+        while consumed < PRODUCERS * n:
+            batch, skipped = q.peek(500, now_ms=0)
+            assert skipped == 0
+            for r in batch.records:
+                p, seq = origin(r)
+                got[p].append(seq)
+            q.commit(batch)
+            consumed += len(batch.records)
+            if not batch.records:
+                sleeps += 1
+                if not q.wait_for_records(10.0):
+                    timeouts += 1
+        kids.join()
+    assert timeouts == 0
+    assert sleeps > 100  # it did fall asleep between bursts, many times
+    assert all(got[p] == list(range(n)) for p in range(PRODUCERS))
+
+
 def _reserve_and_hang(name: str, reserved: Event) -> None:
     def pause() -> None:
         reserved.set()

@@ -2,17 +2,20 @@
 
 It is the settle queue's single consumer. Every ``settle_interval_ms`` it peeks up to
 ``settle_batch_max`` operations and delivers them in one pipelined round trip; only then
-does it free them in the ring. A queue found empty again and again is looked at less
-often, down to every ``IDLE_MAX_S``, so an idle host's drainer does not wake 200 times a
-second (it cost 3 % of a core doing nothing); the first operation found restores the
-pace. If Redis fails it keeps that batch and retries with capped backoff while producers
-keep filling the ring behind it; a drainer killed at any moment loses nothing, because
-the next one starts from the same head (and a batch delivered twice changes nothing:
-every operation is idempotent). A release whose pending claim has certainly expired --
-its call was answered more than ``pending_ttl_ms`` ago -- is counted and not sent; a
-promote is never dropped for age, since it is the only record in Redis that the hook
-exists. On SIGTERM it keeps delivering for up to ``drain_on_stop_ms`` and exits 0; on
-SIGINT or SIGQUIT it exits at once (what is queued stays in the segment).
+does it free them in the ring. A queue found empty is not polled: the drainer sleeps on
+it (``SettleQueue.wait_for_records``, in a thread, so its event loop stays free) until a
+producer wakes it, then gives what comes with that first operation ``settle_interval_ms``
+to gather. Asleep, it wakes only for its heartbeat, every quarter of
+``heartbeat_timeout_s``. (Polling every 5 ms cost 3 % of a core on a host with nothing
+to do, and backed off to every 50 ms still 0.4 %.) If Redis fails it keeps that batch
+and retries with capped backoff while producers keep filling the ring behind it; a
+drainer killed at any moment loses nothing, because the next one starts from the same
+head (and a batch delivered twice changes nothing: every operation is idempotent). A
+release whose pending claim has certainly expired -- its call was answered more than
+``pending_ttl_ms`` ago -- is counted and not sent; a promote is never dropped for age,
+since it is the only record in Redis that the hook exists. On SIGTERM it keeps
+delivering for up to ``drain_on_stop_ms`` and exits 0; on SIGINT or SIGQUIT it exits at
+once (what is queued stays in the segment).
 """
 
 from __future__ import annotations
@@ -45,7 +48,6 @@ log = logging.getLogger("ankusa_shm.drainer")
 
 BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 2.0
-IDLE_MAX_S = 0.05  # the longest pause between looks at an empty queue
 
 
 class Drainer:
@@ -68,7 +70,9 @@ class Drainer:
         self._timeout_s = f.settle_timeout_ms / 1000
         self._pending_ttl_ms = f.pending_ttl_ms
         self._on_stop_ms = f.drain_on_stop_ms
+        self._idle_s = cfg.server.heartbeat_timeout_s / 4  # asleep: the heartbeat's pace
         self._warned_ms: int | None = None
+        self._asleep: asyncio.Future[bool] | None = None  # the thread in wait_for_records
 
     def _now_ms(self) -> int:
         return self._clock() // 1_000_000
@@ -79,8 +83,8 @@ class Drainer:
         parent = os.getppid()
         batch: Batch | None = None
         backoff = 0.0
-        idle_s = self._interval_s  # the pause after finding the queue empty
         deadline: int | None = None
+        waker = asyncio.get_running_loop().create_task(self._wake_on(stop))
         try:
             while True:
                 now = self._now_ms()
@@ -99,10 +103,8 @@ class Drainer:
                     batch = None
                     if stop.is_set() and self._queue.depth() == 0:
                         return
-                    await self._pause(idle_s, stop)
-                    idle_s = min(2 * idle_s, max(IDLE_MAX_S, self._interval_s))
+                    await self._idle(stop)
                     continue
-                idle_s = self._interval_s
                 delivered = await self._deliver(batch, now)
                 if delivered is not None:
                     full = len(batch.records) >= self._batch_max
@@ -115,6 +117,10 @@ class Drainer:
                 backoff = min(max(2 * backoff, BACKOFF_MIN_S), BACKOFF_MAX_S)
                 await self._pause(backoff, stop)
         finally:
+            waker.cancel()
+            if self._asleep is not None:  # cancelled while asleep: wake the thread, wait
+                self._queue.wake_consumer()
+                await asyncio.shield(self._asleep)
             self._queue.resign_consumer()
 
     def _expired(self, rec: Record, now_ms: int) -> bool:
@@ -156,12 +162,30 @@ class Drainer:
         if expired:
             self._row.add(Counter.SETTLE_EXPIRED, expired)
 
+    async def _idle(self, stop: asyncio.Event) -> None:
+        """Nothing to read: sleep until a producer publishes, a stop or the heartbeat is
+        due; then give what comes with it ``settle_interval_ms`` to gather. Stopping,
+        only that pause: the queue is being emptied against a deadline."""
+        if not stop.is_set():
+            loop = asyncio.get_running_loop()
+            self._asleep = loop.run_in_executor(None, self._queue.wait_for_records, self._idle_s)
+            try:
+                await self._asleep
+            finally:
+                if self._asleep.done():
+                    self._asleep = None
+        await self._pause(self._interval_s, stop)
+
+    async def _wake_on(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+        self._queue.wake_consumer()
+
     @staticmethod
     async def _pause(seconds: float, stop: asyncio.Event) -> None:
         """Sleep. A backoff is cut short by ``stop`` (unless stopping already: then keep
         draining); the pauses of a working drainer are shorter than the time it would
         take to notice, and a plain sleep costs a fraction of a cancelled wait."""
-        if seconds <= IDLE_MAX_S or stop.is_set():
+        if seconds <= BACKOFF_MIN_S or stop.is_set():
             await asyncio.sleep(seconds)
             return
         with contextlib.suppress(TimeoutError):

@@ -175,6 +175,10 @@ PS_REQUESTS_BASE = 32  # the row's REQUESTS when this holder claimed the slot
 
 # -- settle queue ---------------------------------------------------------------------------
 Q_ENQUEUE = 0
+# The consumer asleep (1) or not; and the word it sleeps on, which a producer that finds it
+# asleep bumps and wakes. On the producers' line: every push reads the first.
+Q_SLEEPING = 8
+Q_WAKE = 16
 Q_DEQUEUE = LINE
 Q_CONSUMER = LINE + 8  # pid of the one consumer, for readers
 # The consumer's identity, start ticks << PID_BITS | pid: the word the role is taken by

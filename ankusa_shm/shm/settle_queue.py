@@ -20,8 +20,17 @@ compare-and-swaps fail from then on), moves past it and counts it, so a dead wor
 cannot wedge the queue. (One case stays open: a producer frozen -- SIGSTOP, not death --
 in the middle of its copy for longer than the grace period, whose slot the ring then
 reuses a whole lap later, can resume and overwrite that newer record before it is read.
-The supervisor is meant to kill a worker whose heartbeat goes stale -- not built yet --
-which would end such a freeze long before a lap comes round.)
+The supervisor ends such a freeze: a worker whose heartbeat has been silent for
+``heartbeat_timeout_s`` gets SIGABRT, and SIGKILL, which a stopped process does not
+hold off, ``KILL_AFTER_S`` later. A load that laps the ring sooner than that -- the
+default 50,000 slots at more than about 4,000 settles a second -- leaves the case open.)
+
+A consumer with nothing to read sleeps on a futex (``wait_for_records``) instead of
+polling: it says it is asleep, then looks once more, and a producer that publishes and
+finds it asleep wakes it. Both sides act in that order on sequentially consistent words,
+so a record published while the consumer was falling asleep is either seen by its last
+look or wakes it; with anything reserved and not yet published it does not sleep at all
+(that producer may be dead, and the slot is given up on only by looking again).
 
 The consumer reads a batch without freeing it (``peek``) and frees it only once its
 operations are delivered (``commit``): a consumer killed in between loses nothing, and
@@ -115,6 +124,8 @@ class SettleQueue:
         self._buf = buf
         base = lay.offset("queue")
         self._enq = base + L.Q_ENQUEUE
+        self._sleeping = base + L.Q_SLEEPING
+        self._wake = base + L.Q_WAKE
         self._deq = base + L.Q_DEQUEUE
         self._consumer = base + L.Q_CONSUMER
         self._slots = base + L.Q_SLOTS
@@ -165,6 +176,8 @@ class SettleQueue:
         self._buf[start : start + len(data)] = data
         if not v.cas(cell, pos | L.QS_WRITING, pos + 1):
             return Pushed.ABANDONED
+        if v.load(self._sleeping) and v.cas(self._sleeping, 1, 0):  # one producer wakes it
+            self.wake_consumer()
         return Pushed.OK
 
     def depth(self) -> int:
@@ -172,6 +185,25 @@ class SettleQueue:
         return max(0, self._view.load(self._enq) - self._view.load(self._deq))
 
     # -- the one consumer -----------------------------------------------------------------
+
+    def wait_for_records(self, timeout_s: float) -> bool:
+        """With nothing to read: sleep, without the GIL, until a producer publishes, a
+        ``wake_consumer`` or ``timeout_s`` (False). Returns at once while anything is
+        reserved, published or not."""
+        v = self._view
+        v.store(self._sleeping, 1)
+        seen = v.load(self._wake)
+        if v.load(self._enq) > v.load(self._deq):
+            woken = True
+        else:
+            woken = v.wait_at_least(self._wake, seen + 1, int(timeout_s * 1e9))
+        v.store(self._sleeping, 0)
+        return woken
+
+    def wake_consumer(self) -> None:
+        """Cut the consumer's ``wait_for_records`` short (a producer's push does it)."""
+        self._view.add(self._wake, 1)
+        self._view.wake(self._wake)
 
     def consumer_pid(self) -> int:
         return self._view.load(self._consumer)
