@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from fleet_helpers import (
     CTX,
     TENANT,
@@ -43,6 +44,7 @@ from ankusa_shm.fleet.admission import Admit, Admitted, Claim, Fleet, RateLimite
 from ankusa_shm.fleet.drainer import Drainer
 from ankusa_shm.fleet.redis_store import RedisStore
 from ankusa_shm.hooks import AlreadyStored, Committed, NotStored
+from ankusa_shm.shm import layout as L
 from ankusa_shm.shm import procs, settle_queue
 from ankusa_shm.shm.counters import Counter
 from ankusa_shm.shm.procs import Role
@@ -323,6 +325,26 @@ def test_sigterm_drains_what_is_queued_and_exits_zero(
         with redis_server.client() as r:
             values = committed_values(r, [dd_key(f"k{i}") for i in range(10)])
         assert values == [committed(i) for i in range(10)]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
+def test_an_asleep_drainer_stops_at_once(
+    redis_server: RedisServer, tmp_path: Path, sig: signal.Signals
+) -> None:
+    """Asleep on an empty queue until its next heartbeat (30 s here), the drainer process
+    still ends at once on SIGTERM (graceful) or SIGINT (fast), with status 0."""
+    with segments(1) as (seg,):
+        raw = fleet_raw(redis_server.url, bare(seg))
+        raw["server"]["heartbeat_timeout_s"] = 120.0
+        cfg_file = write_config(tmp_path / "ankusa.toml", raw)
+        sleeping = seg.layout.offset("queue") + L.Q_SLEEPING
+        with drainer_process(cfg_file, tmp_path / "drainer.log") as drainer:
+            wait_until(lambda: seg.view.load(sleeping) == 1, "the drainer to fall asleep")
+            asked = time.monotonic()
+            drainer.signal(sig)
+            assert drainer.wait() == 0, drainer.output()
+            assert time.monotonic() - asked < 5.0
+        assert SettleQueue(seg.view, seg.buf, seg.layout).consumer_pid() == 0
 
 
 def test_metrics_show_what_the_segment_holds(redis_server: RedisServer) -> None:

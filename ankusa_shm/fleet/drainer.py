@@ -72,7 +72,6 @@ class Drainer:
         self._on_stop_ms = f.drain_on_stop_ms
         self._idle_s = cfg.server.heartbeat_timeout_s / 4  # asleep: the heartbeat's pace
         self._warned_ms: int | None = None
-        self._asleep: asyncio.Future[bool] | None = None  # the thread in wait_for_records
 
     def _now_ms(self) -> int:
         return self._clock() // 1_000_000
@@ -118,9 +117,6 @@ class Drainer:
                 await self._pause(backoff, stop)
         finally:
             waker.cancel()
-            if self._asleep is not None:  # cancelled while asleep: wake the thread, wait
-                self._queue.wake_consumer()
-                await asyncio.shield(self._asleep)
             self._queue.resign_consumer()
 
     def _expired(self, rec: Record, now_ms: int) -> bool:
@@ -168,12 +164,11 @@ class Drainer:
         only that pause: the queue is being emptied against a deadline."""
         if not stop.is_set():
             loop = asyncio.get_running_loop()
-            self._asleep = loop.run_in_executor(None, self._queue.wait_for_records, self._idle_s)
             try:
-                await self._asleep
-            finally:
-                if self._asleep.done():
-                    self._asleep = None
+                await loop.run_in_executor(None, self._queue.wait_for_records, self._idle_s)
+            except BaseException:  # cancelled: the thread must not sleep on until its timeout
+                self._queue.wake_consumer()
+                raise
         await self._pause(self._interval_s, stop)
 
     async def _wake_on(self, stop: asyncio.Event) -> None:
