@@ -9,15 +9,15 @@
 
 Each server gets WORKERS processes and the same closed-loop load from wrk (one thread,
 CONNECTIONS connections unless ``--connections`` says otherwise, a warm-up, then
-DURATION_S measured). Every request is a distinct
-GitHub-style hook: its own x-github-delivery, its body signed with HMAC-SHA256. wrk's Lua
-has no HMAC, so the signatures are computed here and a generated script cycles through
-them; none repeats within a run, and a wrap-around would be counted and shown.
+DURATION_S measured). Every request is a distinct GitHub-style hook: its own
+x-github-delivery, its body signed with HMAC-SHA256. wrk's Lua has no HMAC, so the
+signatures are computed here and a generated script cycles through them; none repeats
+within a run, and a wrap-around would be counted and shown.
 
 Afterwards each store is counted: every 201 must be a stored row (rows may exceed 201s by
-the requests still in flight when wrk stopped, at most one per connection). The figures are 201s
-per second ("accepted durable hooks/s"), latency p50/p99/max, wrk's own CPU, and the
-ratios; the last line is one JSON object.
+the requests still in flight when wrk stopped, at most one per connection). The figures
+are 201s per second ("accepted durable hooks/s"), latency p50/p99/max, wrk's own CPU, and
+the ratios; the last line is one JSON object.
 
 The latencies are wrk's, corrected for coordinated omission: before it reports, wrk adds
 to each response slower than a connection's mean interval between requests the samples

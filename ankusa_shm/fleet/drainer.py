@@ -7,7 +7,7 @@ it (``SettleQueue.wait_for_records``, in a thread, so its event loop stays free)
 producer wakes it, then gives what comes with that first operation ``settle_interval_ms``
 to gather. Asleep, it wakes only for its heartbeat, every quarter of
 ``heartbeat_timeout_s``. (Polling every 5 ms cost 3 % of a core on a host with nothing
-to do, and backed off to every 50 ms still 0.4 %.) If Redis fails it keeps that batch
+to do, and backed off to every 50 ms still 0.35-0.4 %.) If Redis fails it keeps that batch
 and retries with capped backoff while producers keep filling the ring behind it; a
 drainer killed at any moment loses nothing, because the next one starts from the same
 head (and a batch delivered twice changes nothing: every operation is idempotent). A
@@ -48,6 +48,7 @@ log = logging.getLogger("ankusa_shm.drainer")
 
 BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 2.0
+PLAIN_SLEEP_S = 0.05  # a pause this short is not cut short by a stop
 
 
 class Drainer:
@@ -180,7 +181,7 @@ class Drainer:
         """Sleep. A backoff is cut short by ``stop`` (unless stopping already: then keep
         draining); the pauses of a working drainer are shorter than the time it would
         take to notice, and a plain sleep costs a fraction of a cancelled wait."""
-        if seconds <= BACKOFF_MIN_S or stop.is_set():
+        if seconds <= PLAIN_SLEEP_S or stop.is_set():
             await asyncio.sleep(seconds)
             return
         with contextlib.suppress(TimeoutError):

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from importlib import resources
 
 from ankusa_shm.config import Fleet as FleetConfig
+from ankusa_shm.fleet.hash_slot import hash_tag
 from ankusa_shm.fleet.redis_client import (
     Arg,
     Call,
@@ -68,8 +69,8 @@ class RedisStore:
         self.client = client
         self._prefix = prefix
         self._cluster = cluster
-        # (rate key, limit, pending_ttl_ms) -> this turn's hooks for it
-        self._asks: dict[tuple[bytes, Limit | None, int], list[_Ask]] = {}
+        # (tenant, limit, pending_ttl_ms) -> this turn's hooks for it
+        self._asks: dict[tuple[str, Limit | None, int], list[_Ask]] = {}
         self._asks_due = False
         self._loop: asyncio.AbstractEventLoop | None = None  # the running turn's
 
@@ -117,7 +118,7 @@ class RedisStore:
             self._asks_due = True
         assert self._loop is not None
         future: asyncio.Future[tuple[int, int | bytes]] = self._loop.create_future()
-        group = (self.rate_key(tenant), limit, pending_ttl_ms)
+        group = (tenant, limit, pending_ttl_ms)
         ask = _Ask(dedupe_key, token.hex() if dedupe_key else "", deadline, future)
         asks = self._asks.get(group)
         if asks is None:
@@ -132,7 +133,8 @@ class RedisStore:
         tenants' hooks."""
         groups, self._asks, self._asks_due = self._asks, {}, False
         sends: list[Call] = []
-        for (rate_key, limit, pending_ttl_ms), asks in groups.items():
+        for (tenant, limit, pending_ttl_ms), asks in groups.items():
+            rate_key = self.rate_key(tenant)
             head: tuple[Arg, ...] = (
                 int(limit is not None),
                 limit.interval_us if limit else 0,
@@ -157,7 +159,7 @@ class RedisStore:
         groups: dict[bytes, list[Record]] = {}
         if self._cluster:  # one script call per hash tag
             for r in records:
-                groups.setdefault(_hash_tag(r.key), []).append(r)
+                groups.setdefault(hash_tag(r.key), []).append(r)
         else:
             groups[b""] = list(records)
         calls: list[tuple[tuple[bytes, ...], tuple[Arg, ...]]] = []
@@ -208,11 +210,6 @@ class _Ask:
     token: str  # hex; "" claims nothing
     deadline: float
     future: asyncio.Future[tuple[int, int | bytes]]
-
-
-def _hash_tag(key: bytes) -> bytes:
-    start = key.find(b"{")
-    return key[start : key.find(b"}", start) + 1]
 
 
 def _answered(asks: Sequence[_Ask], replies: list[Reply] | BaseException) -> None:
