@@ -16,7 +16,9 @@
  * (bench_admin.py's metrics on/off). wait_at_least/wake are a futex on a word, so a
  * store writer waiting for its turn sleeps without the GIL and is woken the moment its
  * turn comes (shm/turns.py): polled from Python, every look took the GIL back from the
- * busy event loop of its process. Their
+ * busy event loop of its process. crc32 checks a settle record where it lies, without
+ * copying it out first (bench_shm.py's queue: zlib.crc32 of copies cost about 650 ns a
+ * push and pop). Their
  * formats are layout.py's; GCRA_FORMAT and BREAKER_FORMAT export the constants below so
  * gcra.py and breaker.py can refuse to run against a layout that disagrees.
  *
@@ -92,6 +94,66 @@ nargs_ok(const char *name, Py_ssize_t nargs, Py_ssize_t want)
         return 0;
     }
     return 1;
+}
+
+/* CRC-32 as zlib computes it (reflected polynomial 0xEDB88320), eight bytes a step
+ * ("slicing by 8"): a byte at a time took twice as long as zlib.crc32 of a copy. */
+static uint32_t crc_table[8][256];
+
+static void
+crc_init(void)
+{
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++)
+            c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+        crc_table[0][i] = c;
+    }
+    for (uint32_t i = 0; i < 256; i++)
+        for (int t = 1; t < 8; t++)
+            crc_table[t][i] = (crc_table[t - 1][i] >> 8) ^ crc_table[0][crc_table[t - 1][i] & 0xFF];
+}
+
+static uint32_t
+crc32_of(const unsigned char *p, Py_ssize_t n)
+{
+    uint32_t c = 0xFFFFFFFFu;
+    for (; n >= 8; p += 8, n -= 8) {
+        uint32_t lo = c ^ ((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
+                           (uint32_t)p[3] << 24);
+        uint32_t hi = (uint32_t)p[4] | (uint32_t)p[5] << 8 | (uint32_t)p[6] << 16 |
+                      (uint32_t)p[7] << 24;
+        c = crc_table[7][lo & 0xFF] ^ crc_table[6][(lo >> 8) & 0xFF] ^
+            crc_table[5][(lo >> 16) & 0xFF] ^ crc_table[4][lo >> 24] ^
+            crc_table[3][hi & 0xFF] ^ crc_table[2][(hi >> 8) & 0xFF] ^
+            crc_table[1][(hi >> 16) & 0xFF] ^ crc_table[0][hi >> 24];
+    }
+    while (n--)
+        c = crc_table[0][(c ^ *p++) & 0xFF] ^ (c >> 8);
+    return c ^ 0xFFFFFFFFu;
+}
+
+static PyObject *
+av_crc32(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (!nargs_ok("crc32", nargs, 2))
+        return NULL;
+    if (!self->held) {
+        PyErr_SetString(PyExc_ValueError, "AtomicView is released");
+        return NULL;
+    }
+    Py_ssize_t off = PyLong_AsSsize_t(args[0]);
+    if (off == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t n = PyLong_AsSsize_t(args[1]);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    if (off < 0 || n < 0 || off > self->view.len - n) {
+        PyErr_Format(PyExc_IndexError, "%zd bytes at %zd outside buffer of %zd bytes", n, off,
+                     self->view.len);
+        return NULL;
+    }
+    return PyLong_FromUnsignedLong(crc32_of((const unsigned char *)self->view.buf + off, n));
 }
 
 static PyObject *
@@ -478,6 +540,8 @@ static PyMethodDef av_methods[] = {
      "word is >= value (True) or timeout_ns has passed (False); wake() cuts a sleep short."},
     {"wake", (PyCFunction)(void (*)(void))av_wake, METH_FASTCALL,
      "wake(offset) -> int: wake every process and thread in wait_at_least on that word."},
+    {"crc32", (PyCFunction)(void (*)(void))av_crc32, METH_FASTCALL,
+     "crc32(offset, length) -> int: zlib's CRC-32 of those bytes of the buffer."},
     {"release", (PyCFunction)av_release, METH_NOARGS,
      "release(): drop the buffer export so the mapping can be closed."},
     {NULL, NULL, 0, NULL},
@@ -511,6 +575,7 @@ PyInit__atomics(void)
 {
     if (PyType_Ready(&AtomicViewType) < 0)
         return NULL;
+    crc_init();
     PyObject *m = PyModule_Create(&atomics_module);
     if (m == NULL)
         return NULL;

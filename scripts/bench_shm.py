@@ -68,6 +68,7 @@ Loop = Callable[[int, int], int]
 """loop(n, base) runs n operations at clock base ``base`` and returns how many went wrong."""
 
 WORD = struct.Struct("<q")
+CHECK = L.RECORD_CHECK
 CHUNK = 1000  # operations per simulated clock tick; every n is a multiple of it
 WARM_BACK = 5_000_000  # warm-up runs at base - WARM_BACK, clear of the timed run's words
 BASE_STEP = 10_000_000  # each run gets a fresh clock base: fresh buckets, fresh GCRA TAT
@@ -261,12 +262,14 @@ class TwinGcra:
 
 
 class TwinQueue:
-    """The settle ring (same words, same sequence numbers) with every step under a lock."""
+    """The settle ring (same words, same sequence numbers, the same record check) with
+    every step under a lock."""
 
     def __init__(self, sem: Any, buf: memoryview, lay: L.Layout) -> None:
         self._acquire = sem.acquire
         self._release = sem.release
         self._buf = buf
+        self._crc32 = AtomicView(buf).crc32
         base = lay.offset("queue")
         self._enq = base + L.Q_ENQUEUE
         self._deq = base + L.Q_DEQUEUE
@@ -277,8 +280,8 @@ class TwinQueue:
         payload = len(rec.key) + len(rec.hook_id)
         if payload > L.RECORD_MAX_PAYLOAD or len(rec.hook_id) > 255 or len(rec.token) != 16:
             raise ValueError("record too large")
-        data = (
-            L.RECORD.pack(
+        body = (
+            L.RECORD_BODY.pack(
                 rec.op,
                 len(rec.hook_id),
                 len(rec.key),
@@ -298,7 +301,9 @@ class TwinQueue:
             if _load(buf, cell) != pos:
                 return Pushed.FULL
             start = cell + L.QS_RECORD
-            buf[start : start + len(data)] = data
+            buf[start + CHECK.size : start + CHECK.size + len(body)] = body
+            crc = self._crc32(start + CHECK.size, len(body))
+            CHECK.pack_into(buf, start, (crc ^ pos) & 0xFFFFFFFF)
             WORD.pack_into(buf, cell, pos + 1)
             WORD.pack_into(buf, self._enq, pos + 1)
         finally:
@@ -315,7 +320,7 @@ class TwinQueue:
                 cell = self._slots + (pos % cap) * L.QUEUE_SLOT_BYTES
                 if _load(buf, cell) != pos + 1:
                     break
-                records.append(self._read(cell))
+                records.append(self._read(cell, pos))
                 pos += 1
         finally:
             self._release()
@@ -331,17 +336,20 @@ class TwinQueue:
         finally:
             self._release()
 
-    def _read(self, cell: int) -> Record:
+    def _read(self, cell: int, pos: int) -> Record:
         start = cell + L.QS_RECORD
-        op, id_len, key_len, ttl_ms, claimed_ms, enqueued_ms, token = L.RECORD.unpack_from(
+        check, op, id_len, key_len, ttl_ms, claimed_ms, enqueued_ms, token = L.RECORD.unpack_from(
             self._buf, start
         )
         key_at = start + L.RECORD.size
+        end = key_at + key_len + id_len
+        if (self._crc32(start + CHECK.size, end - start - CHECK.size) ^ pos) & 0xFFFFFFFF != check:
+            raise ValueError(f"record {pos} fails its check")
         return Record(
             op=Op(op),
             key=bytes(self._buf[key_at : key_at + key_len]),
             token=token,
-            hook_id=bytes(self._buf[key_at + key_len : key_at + key_len + id_len]),
+            hook_id=bytes(self._buf[key_at + key_len : end]),
             ttl_ms=ttl_ms,
             claimed_ms=claimed_ms,
             enqueued_ms=enqueued_ms,

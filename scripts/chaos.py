@@ -340,14 +340,16 @@ def settle_ledger(s: snapshot.Snapshot) -> dict[str, int | bool]:
     sent = c[Counter.SETTLED_PROMOTE] + c[Counter.SETTLED_RELEASE]
     enqueued = c[Counter.SETTLE_ENQUEUED]
     expired = c[Counter.SETTLE_EXPIRED]
+    corrupt = c[Counter.SETTLE_CORRUPT]
     return {
         "enqueued": enqueued,
         "sent": sent,
         "expired": expired,
+        "corrupt": corrupt,
         "queued_at_end": s.queue_depth,
         "dropped_full": c[Counter.SETTLE_DROPPED],
         "abandoned": c[Counter.SETTLE_ABANDONED],
-        "balanced": enqueued == sent + expired + s.queue_depth,
+        "balanced": enqueued == sent + expired + corrupt + s.queue_depth,
         "breaker_opened": c[Counter.BREAKER_TO_OPEN],
         "breaker_closed": c[Counter.BREAKER_TO_CLOSED],
     }

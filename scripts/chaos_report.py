@@ -119,8 +119,9 @@ def write_report(
         for k in f["kills"]
     )
     settle = "\n".join(
-        f"| {i} | {s['enqueued']:,} | {s['sent']:,} | {s['expired']:,} | {s['queued_at_end']} "
-        f"| {s['dropped_full']:,} | {s['abandoned']} | {'yes' if s['balanced'] else 'NO'} "
+        f"| {i} | {s['enqueued']:,} | {s['sent']:,} | {s['expired']:,} | {s['corrupt']} "
+        f"| {s['queued_at_end']} | {s['dropped_full']:,} | {s['abandoned']} "
+        f"| {'yes' if s['balanced'] else 'NO'} "
         f"| {s['breaker_opened']} |"
         for i, s in enumerate(f["settle"])
     )
@@ -163,11 +164,13 @@ the faults below. Verdict: **{verdict}**.
 
 ## Settle accounting, from each host's segment
 
-enqueued = sent + expired + still queued; dropped (queue full) and abandoned (a producer
-killed between reserving and publishing) were never enqueued.
+enqueued = sent + expired + corrupt (failed their check) + still queued; dropped (queue
+full) and abandoned (a producer killed between reserving and publishing) were never
+enqueued.
 
-| host | enqueued | sent | expired | queued | dropped | abandoned | balanced | breaker opened |
-|---|---|---|---|---|---|---|---|---|
+| host | enqueued | sent | expired | corrupt | queued | dropped | abandoned | balanced \
+| breaker opened |
+|---|---|---|---|---|---|---|---|---|---|
 {settle}
 
 ## Processes killed

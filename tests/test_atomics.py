@@ -7,6 +7,7 @@ import mmap
 import random
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 from multiprocessing.synchronize import Barrier
 
@@ -148,6 +149,20 @@ def test_observe_is_bisect_left_plus_a_sum(page: mmap.mmap) -> None:
         v.observe(64, [1, 2], 1)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         AtomicView(bytes(4096)).observe(64, bounds, 1)
+
+
+def test_crc32_is_zlibs_over_the_bytes_in_place() -> None:
+    data = random.Random(7).randbytes(1024)
+    v = AtomicView(data)  # read-only: reading is all crc32 does
+    for offset in range(17):  # every alignment, and lengths around each eight-byte step
+        for length in [*range(40), 141, 1024 - offset]:
+            assert v.crc32(offset, length) == zlib.crc32(data[offset : offset + length])
+    for offset, length in ((-1, 1), (0, 1025), (1024, 1), (1000, 25), (0, -1)):
+        with pytest.raises(IndexError):
+            v.crc32(offset, length)
+    v.release()
+    with pytest.raises(ValueError, match="released"):
+        v.crc32(0, 1)
 
 
 def test_read_only_buffer_refuses_writes() -> None:

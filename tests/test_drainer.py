@@ -92,6 +92,37 @@ def test_drainer_delivers_promotes_and_releases(redis_server: RedisServer) -> No
         assert values == [committed(0), committed(1), committed(2), committed(3), None, None]
 
 
+def test_records_that_fail_their_check_are_counted_and_the_rest_delivered(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A damaged op byte made the drainer raise on every start before records carried a
+    check; a damaged key byte sent a promote for a key no hook has."""
+    with segments(1) as (seg,):
+        cfg = fleet_config(redis_server.url, bare(seg))
+        first = seg.layout.offset("queue") + L.Q_SLOTS + L.QS_RECORD
+
+        async def body() -> None:
+            async with open_fleet(cfg, seg) as fleet:
+                claims = [claim_of(await admit(fleet, cfg, f"k{i}")) for i in range(4)]
+                for i in range(4):
+                    fleet.settle(claims[i], Committed(f"hook-{i}"))
+                assert seg.queue_depth() == 4
+                seg.buf[first + L.QUEUE_SLOT_BYTES + 4] ^= 0xFF  # record 1's op
+                seg.buf[first + 2 * L.QUEUE_SLOT_BYTES + L.RECORD.size + 3] ^= 0x01  # 2's key
+                await drain_all(cfg, seg)
+                with redis_server.client() as r:
+                    values = committed_values(r, [dd_key(f"k{i}") for i in range(4)])
+                assert values[0] == committed(0) and values[3] == committed(3)
+                assert values[1:3] == [pending_value(c.token) for c in claims[1:3]]
+
+        run(body())
+        assert seg.queue_depth() == 0
+        counted = totals(seg)
+        assert counted[Counter.SETTLE_CORRUPT] == 2
+        assert counted[Counter.SETTLED_PROMOTE] == 2
+        assert "failed their check" in caplog.text
+
+
 def test_killed_drainer_loses_nothing(redis_server: RedisServer, tmp_path: Path) -> None:
     with segments(1) as (seg,):
         raw = fleet_raw(redis_server.url, bare(seg), settle_timeout_ms=30_000)

@@ -516,6 +516,117 @@ def test_a_producer_that_resumes_within_the_grace_period_is_delivered(seg: Segme
     assert (batch.records, skipped) == ([rec(7, 5)], 0)
 
 
+# -- records that fail their check ------------------------------------------------------------
+
+
+def record_at(seg: Segment, pos: int) -> int:
+    """Where the record of position ``pos`` starts in the segment."""
+    slot = pos % seg.layout.params.queue_capacity
+    return seg.layout.offset("queue") + L.Q_SLOTS + slot * L.QUEUE_SLOT_BYTES + L.QS_RECORD
+
+
+def damage(seg: Segment, at: int) -> None:
+    seg.buf[at] ^= 0xFF
+
+
+RECORD_BYTES = {
+    "check": 0,
+    "op": 4,
+    "key length": 7,  # its high byte: a length past the slot's end
+    "token": L.RECORD.size - 1,
+    "key": L.RECORD.size + 5,
+}
+
+
+@pytest.mark.parametrize("where", ["head", "middle"])
+@pytest.mark.parametrize("byte", RECORD_BYTES, ids=list(RECORD_BYTES))
+def test_a_damaged_record_is_skipped_and_counted(seg: Segment, byte: str, where: str) -> None:
+    q = queue(seg)
+    q.become_consumer()
+    for i in range(3):
+        assert q.push(rec(i, 1)) is Pushed.OK
+    bad = 0 if where == "head" else 1
+    damage(seg, record_at(seg, bad) + RECORD_BYTES[byte])
+    batch, skipped = q.peek(10, now_ms=0)
+    assert (batch.records, batch.corrupt, skipped) == (
+        [rec(i, 1) for i in range(3) if i != bad],
+        1,
+        0,
+    )
+    q.commit(batch)
+    assert q.depth() == 0
+    # Its slot went back into the ring with the others: a whole lap goes through.
+    for i in range(SMALL.queue_capacity):
+        assert q.push(rec(i, 2)) is Pushed.OK
+    assert drain(q) == [rec(i, 2) for i in range(SMALL.queue_capacity)]
+
+
+def test_a_record_from_the_last_lap_is_not_read_as_this_laps(seg_name: str) -> None:
+    with tiny_ring(seg_name) as seg:
+        q = queue(seg)
+        q.become_consumer()
+        cap = seg.layout.params.queue_capacity
+        assert q.push(rec(0, 1)) is Pushed.OK
+        first = bytes(seg.buf[record_at(seg, 0) : record_at(seg, 0) + L.QUEUE_SLOT_BYTES - 8])
+        assert drain(q) == [rec(0, 1)]
+        for i in range(cap):  # a lap: position ``cap`` is the first record's slot again
+            assert q.push(rec(i, 2)) is Pushed.OK
+        at = record_at(seg, cap)
+        seg.buf[at : at + len(first)] = first  # the last lap's record, whole
+        batch, _ = q.peek(2 * cap, now_ms=0)
+        assert (batch.records, batch.corrupt) == ([rec(i, 2) for i in range(cap - 1)], 1)
+        q.commit(batch)
+        for i in range(cap):  # another lap: position ``2 * cap`` is that slot again
+            assert q.push(rec(i, 3)) is Pushed.OK
+        at = record_at(seg, 2 * cap)
+        seg.buf[at : at + len(first) // 2] = first[: len(first) // 2]  # torn halfway
+        batch, _ = q.peek(2 * cap, now_ms=0)
+        assert (batch.records, batch.corrupt) == ([rec(i, 3) for i in range(cap - 1)], 1)
+
+
+def _freeze_while_writing(name: str) -> str:
+    def freeze() -> None:
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    with Segment.attach(name) as s:
+        settle_queue._pause_while_writing = freeze
+        return queue(s).push(rec(7, 5)).value
+
+
+def stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rsplit(b")", 1)[1].split()[0] == b"T"
+
+
+def test_a_producer_frozen_mid_copy_for_a_lap_never_gets_its_record_delivered(
+    seg_name: str,
+) -> None:
+    """SIGSTOP between marking its slot written and copying, given up on, the ring lapped
+    over its slot, then SIGCONT: its copy lands on the newer record, which is lost and
+    counted -- never delivered as the stale one or a mix of the two."""
+    with tiny_ring(seg_name) as seg:
+        q = queue(seg, grace_ms=GRACE_MS)
+        q.become_consumer()
+        cap = seg.layout.params.queue_capacity
+        with Children() as kids:
+            pid = kids.start(_freeze_while_writing, seg.name).pid
+            assert pid is not None
+            deadline = time.monotonic() + 60
+            while not stopped(pid):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert q.peek(10, 0)[0].records == []
+            batch, skipped = q.peek(10, GRACE_MS)
+            assert (batch.records, skipped) == ([], 1)
+            for i in range(1, cap + 1):  # position ``cap`` reuses the frozen one's slot
+                assert q.push(rec(i, 1)) is Pushed.OK
+            os.kill(pid, signal.SIGCONT)
+            assert kids.collect() == ["abandoned"]
+            kids.join()
+        batch, skipped = q.peek(2 * cap, 2 * GRACE_MS)
+        assert (batch.records, batch.corrupt, skipped) == ([rec(i, 1) for i in range(1, cap)], 1, 0)
+
+
 # -- consumers killed at any instruction ------------------------------------------------------
 
 

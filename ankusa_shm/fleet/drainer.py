@@ -99,6 +99,8 @@ class Drainer:
                     batch, skipped = self._queue.peek(self._batch_max, now)
                     if skipped:
                         self._row.add(Counter.SETTLE_ABANDONED, skipped)
+                    if batch.corrupt:
+                        self._corrupt(batch.corrupt)
                 if not batch.records:
                     batch = None
                     if stop.is_set() and self._queue.depth() == 0:
@@ -119,6 +121,12 @@ class Drainer:
         finally:
             waker.cancel()
             self._queue.resign_consumer()
+
+    def _corrupt(self, n: int) -> None:
+        """Records that failed their check: counted, and said every time, since each is
+        a settle operation lost (a producer that stalled mid-copy, or a damaged segment)."""
+        self._row.add(Counter.SETTLE_CORRUPT, n)
+        log.error("skipped %d settle record(s) that failed their check", n)
 
     def _expired(self, rec: Record, now_ms: int) -> bool:
         """Only a release whose claim was certainly written, long enough ago, is dropped."""

@@ -58,6 +58,11 @@ class Counter(enum.Enum):
         (),
         "Queue slots skipped: a producer died between reserving and publishing.",
     )
+    SETTLE_CORRUPT = (
+        "fleet_settle_corrupt",
+        (),
+        "Queue slots skipped: the record failed its check (torn, a lap stale, or damaged).",
+    )
     SETTLE_EXPIRED = (
         "fleet_settle_expired",
         (),

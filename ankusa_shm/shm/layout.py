@@ -79,7 +79,7 @@ import struct
 from dataclasses import dataclass, fields
 
 MAGIC = int.from_bytes(b"ANKUSHM\x01", "little")
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4
 LINE = 128
 WORD = 8
 PID_BITS = 22  # Linux's pid_max is at most 2**22
@@ -192,9 +192,14 @@ QS_WRITING = 1 << 62
 # With this bit: the consumer gave the slot up (its producer never published), and frees
 # it once the dequeue position is past it.
 QS_ABANDONED = 1 << 61
-# Record: op, hook-id length, key length, dedupe ttl ms, claimed-at ms, enqueued-at ms,
-# token; then the Redis key and the hook id bytes.
-RECORD = struct.Struct("<BBH4xqqq16s")
+# Record: a check, then its body -- op, hook-id length, key length, dedupe ttl ms,
+# claimed-at ms, enqueued-at ms, token, then the Redis key and the hook id bytes. The check
+# is the CRC-32 of the body exclusive-or the low 32 bits of the record's position: a reader
+# tells the record its position was given from a torn one, one written a lap early by a
+# producer that stalled mid-copy, or damage.
+RECORD_CHECK = struct.Struct("<I")
+RECORD_BODY = struct.Struct("<BBHqqq16s")
+RECORD = struct.Struct("<IBBHqqq16s")  # the two together
 
 # The largest record a valid config and a valid hook make, declared once: config checks
 # names against MAX_NAME, the fleet store hashes a longer event key to "sha256:<hex>"

@@ -17,13 +17,19 @@ so a producer that stalled past the grace period finds its slot taken and report
 A producer killed between reserving and publishing leaves the consumer at a slot that
 never fills; after ``grace_ms`` the consumer marks the slot abandoned (its producer's
 compare-and-swaps fail from then on), moves past it and counts it, so a dead worker
-cannot wedge the queue. (One case stays open: a producer frozen -- SIGSTOP, not death --
-in the middle of its copy for longer than the grace period, whose slot the ring then
-reuses a whole lap later, can resume and overwrite that newer record before it is read.
-The supervisor ends such a freeze: a worker whose heartbeat has been silent for
-``heartbeat_timeout_s`` gets SIGABRT, and SIGKILL, which a stopped process does not
-hold off, ``KILL_AFTER_S`` later. A load that laps the ring sooner than that -- the
-default 50,000 slots at more than about 4,000 settles a second -- leaves the case open.)
+cannot wedge the queue.
+
+Every record carries a check: the CRC-32 of the record, bound to its position (layout's
+``RECORD``). A record that fails it is skipped and counted, never delivered. That covers
+the one thing the sequence words cannot: a producer frozen (SIGSTOP, not death) in the
+middle of its copy for longer than the grace period, whose slot the ring reuses a lap
+later, and which then resumes and copies its stale record over the newer one. (The
+supervisor ends such a freeze -- a worker whose heartbeat has been silent for
+``heartbeat_timeout_s`` gets SIGABRT, then SIGKILL -- but a busy ring laps sooner.) The
+newer record is lost then, and counted; the stale record, or a torn mix of the two that
+could promote one event's key under another hook's id, is not sent (unless it matches by
+chance: one in 2**32). Damage from outside -- a stray write into the segment -- is
+skipped the same way instead of stopping the drainer.
 
 A consumer with nothing to read sleeps on a futex (``wait_for_records``) instead of
 polling: it says it is asleep, then looks once more, and a producer that publishes and
@@ -66,9 +72,11 @@ from ankusa_shm.shm.pids import pid_alive
 
 ABANDON_GRACE_MS = 2_000
 
-# Test-only pause points: between reserving a slot and publishing it; and in ``commit``,
-# after the head has moved, before each slot (its position given) is freed.
+# Test-only pause points: between reserving a slot and marking it written; between that
+# mark and the copy; and in ``commit``, after the head has moved, before each slot (its
+# position given) is freed.
 _pause_after_reserve: Callable[[], None] | None = None
+_pause_while_writing: Callable[[], None] | None = None
 _pause_in_commit: Callable[[int], None] | None = None
 
 
@@ -78,9 +86,22 @@ class Op(enum.IntEnum):
 
 
 _OPS = {op.value: op for op in Op}
-_pack = L.RECORD.pack
+# The layout's names, bound once: push and peek run for every hook, and each module
+# attribute looked up costs about as much as an atomic load.
+_SLOT = L.QUEUE_SLOT_BYTES
+_REC = L.QS_RECORD
+_WRITING = L.QS_WRITING
+_ABANDONED = L.QS_ABANDONED
+_MAX_PAYLOAD = L.RECORD_MAX_PAYLOAD
+_pack_body = L.RECORD_BODY.pack
+_pack_check = L.RECORD_CHECK.pack_into
 _unpack = L.RECORD.unpack_from
+_BODY = L.RECORD_CHECK.size  # where the body starts in the record
 _HEAD = L.RECORD.size
+_LOW32 = 0xFFFFFFFF
+# Tuples built without the NamedTuples' Python-level __new__: half the cost, and the
+# consumer builds one per record.
+_tuple = tuple.__new__
 _BASE = ~(L.QS_WRITING | L.QS_ABANDONED)  # a sequence word's position, without its flags
 
 
@@ -110,6 +131,7 @@ class Batch(NamedTuple):
     records: list[Record]
     start: int
     end: int
+    corrupt: int = 0  # records this peek skipped for failing their check
 
 
 class ConsumerTaken(Exception):
@@ -146,19 +168,19 @@ class SettleQueue:
     def push(self, rec: Record) -> Pushed:
         """Add one record; never blocks. A full ring is ``Pushed.FULL`` at once."""
         op, key, token, hook_id, ttl_ms, claimed_ms, enqueued_ms = rec
-        if len(key) + len(hook_id) > L.RECORD_MAX_PAYLOAD or len(hook_id) > 255:
+        if len(key) + len(hook_id) > _MAX_PAYLOAD or len(hook_id) > 255:
             raise RecordTooLarge(
                 f"settle record of {len(key) + len(hook_id)} bytes (key + hook id) exceeds "
                 f"the {L.RECORD_MAX_PAYLOAD}-byte slot limit (and a hook id 255)"
             )
         if len(token) != 16:
             raise ValueError(f"a claim token is 16 bytes, not {len(token)}")
-        data = _pack(op, len(hook_id), len(key), ttl_ms, claimed_ms, enqueued_ms, token)
-        data += key + hook_id
+        body = _pack_body(op, len(hook_id), len(key), ttl_ms, claimed_ms, enqueued_ms, token)
+        body += key + hook_id
         v, cap = self._view, self.capacity
         pos = v.load(self._enq)
         while True:
-            cell = self._slots + (pos % cap) * L.QUEUE_SLOT_BYTES
+            cell = self._slots + (pos % cap) * _SLOT
             seq = v.load(cell)
             if seq == pos:
                 if v.cas(self._enq, pos, pos + 1):
@@ -170,11 +192,15 @@ class SettleQueue:
                 pos = v.load(self._enq)  # another producer took ``pos`` meanwhile
         if _pause_after_reserve is not None:
             _pause_after_reserve()
-        if not v.cas(cell, pos, pos | L.QS_WRITING):
+        if not v.cas(cell, pos, pos | _WRITING):
             return Pushed.ABANDONED
-        start = cell + L.QS_RECORD
-        self._buf[start : start + len(data)] = data
-        if not v.cas(cell, pos | L.QS_WRITING, pos + 1):
+        if _pause_while_writing is not None:
+            _pause_while_writing()
+        record = cell + _REC
+        start, size = record + _BODY, len(body)
+        self._buf[start : start + size] = body
+        _pack_check(self._buf, record, (v.crc32(start, size) ^ pos) & _LOW32)
+        if not v.cas(cell, pos | _WRITING, pos + 1):
             return Pushed.ABANDONED
         if v.load(self._sleeping) and v.cas(self._sleeping, 1, 0):  # one producer wakes it
             self.wake_consumer()
@@ -238,32 +264,41 @@ class SettleQueue:
 
     def peek(self, max_records: int, now_ms: int) -> tuple[Batch, int]:
         """Up to ``max_records`` published records from the head, not yet freed; and how
-        many abandoned slots were skipped at the head on the way."""
+        many abandoned slots were skipped at the head on the way. A record that fails its
+        check is never returned: at the head it is skipped at once, after records it is
+        freed with them by ``commit``; either way ``Batch.corrupt`` counts it."""
         v, cap = self._view, self.capacity
         start = pos = v.load(self._deq)
         if pos != self._tidy_at:
             self._free_behind(pos)
         records: list[Record] = []
-        skipped = 0
+        skipped = corrupt = 0
         while len(records) < max_records:
-            cell = self._slots + (pos % cap) * L.QUEUE_SLOT_BYTES
+            cell = self._slots + (pos % cap) * _SLOT
             seq = v.load(cell)
             if seq == pos + 1:
-                records.append(self._read(cell))
-                pos += 1
-                continue
-            if records or (seq == pos and v.load(self._enq) <= pos):
+                rec = self._read(cell, pos)
+                if rec is not None:
+                    records.append(rec)
+                    pos += 1
+                    continue
+                corrupt += 1
+                if records:
+                    pos += 1
+                    continue
+            elif records or (seq == pos and v.load(self._enq) <= pos):
                 break  # end of what is published, or the ring is empty
             # A slot marked by a consumer killed before it moved on needs no grace period.
-            if seq != pos | L.QS_ABANDONED and not self._abandon(cell, pos, seq, now_ms):
+            elif seq != pos | _ABANDONED and not self._abandon(cell, pos, seq, now_ms):
                 break
+            else:
+                skipped += 1
             v.store(self._deq, pos + 1)  # the head first, then the slot: as in commit
             v.store(cell, pos + cap)
             self._tidy_at = pos + 1
-            skipped += 1
             pos += 1
             start = pos
-        return Batch(records, start, pos), skipped
+        return _tuple(Batch, (records, start, pos, corrupt)), skipped
 
     def commit(self, batch: Batch) -> None:
         """Move the head past a peeked batch, then free its slots for the next lap."""
@@ -273,7 +308,7 @@ class SettleQueue:
         for pos in range(batch.start, batch.end):
             if pause is not None:
                 pause(pos)
-            v.store(self._slots + (pos % cap) * L.QUEUE_SLOT_BYTES, pos + cap)
+            v.store(self._slots + (pos % cap) * _SLOT, pos + cap)
         self._tidy_at = batch.end
 
     def _free_behind(self, head: int) -> None:
@@ -304,12 +339,22 @@ class SettleQueue:
         self._stuck = None
         return True
 
-    def _read(self, cell: int) -> Record:
+    def _read(self, cell: int, pos: int) -> Record | None:
+        """The record published at ``pos``; None if it fails its check."""
         # One copy of the whole slot, then slices of it: cheaper than three reads.
-        raw = self._buf[cell + L.QS_RECORD : cell + L.QUEUE_SLOT_BYTES].tobytes()
-        op, id_len, key_len, ttl_ms, claimed_ms, enqueued_ms, token = _unpack(raw)
+        raw = self._buf[cell + _REC : cell + _SLOT].tobytes()
+        check, op, id_len, key_len, ttl_ms, claimed_ms, enqueued_ms, token = _unpack(raw)
         key_end = _HEAD + key_len
-        return Record(
-            _OPS[op], raw[_HEAD:key_end], token, raw[key_end : key_end + id_len],
-            ttl_ms, claimed_ms, enqueued_ms,
-        )  # fmt: skip
+        end = key_end + id_len
+        # Checked where it lies, after the copy: a stale producer's bytes landing in
+        # between make the two disagree, and the record is refused.
+        body = cell + _REC + _BODY
+        if end > len(raw) or (self._view.crc32(body, end - _BODY) ^ pos) & _LOW32 != check:
+            return None
+        kind = _OPS.get(op)
+        if kind is None:  # the check passed by chance (one in 2**32)
+            return None
+        return _tuple(
+            Record,
+            (kind, raw[_HEAD:key_end], token, raw[key_end:end], ttl_ms, claimed_ms, enqueued_ms),
+        )
