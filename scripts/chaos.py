@@ -13,7 +13,8 @@ provider does. While it runs, faults are injected on a schedule scaled to the du
   redis-restart    redis-server killed and started again, empty
   supervisor-kill  SIGKILL of a supervisor (its children die with it), then a fresh start
                    on the same segment, as systemd would
-  queue-full       a host with a small settle queue kept from Redis until it overflows
+  queue-full       a host with a small settle queue whose drainer is SIGSTOPped until the
+                   queue overflows (its workers still claim in Redis), then SIGCONT
   store-full       a host whose store is on a small tmpfs that is filled (needs root)
 
 The ledger (printed, and the last line as one JSON object): hooks answered 2xx but not in
@@ -93,6 +94,8 @@ class Fault:
 
     @property
     def redis(self) -> bool:
+        """Fleet dedupe is degraded while it lasts (and a little after): Redis is away, or
+        (queue-full) promotes are dropped, so their claims expire instead of committing."""
         return self.name in ("redis-stall", "redis-restart", "queue-full")
 
 
@@ -224,11 +227,19 @@ def inject(f: Fault, hosts: list[Host], redis: RedisServer, load: Load, rng: ran
             os.kill(victim, signal.SIGKILL)
             f.recovered_s = _replaced(host, role, pids)
             f.note = f"pid {victim} on host {f.host}"
-    elif f.name in ("redis-stall", "queue-full"):
+    elif f.name == "redis-stall":
         redis.stop_signal()
         time.sleep(STALL_S)
         redis.cont_signal()
-        f.note = f"SIGSTOP {STALL_S:g} s" + (" (small queue)" if f.name == "queue-full" else "")
+        f.note = f"SIGSTOP {STALL_S:g} s"
+    elif f.name == "queue-full":
+        drainers = host.service.pids("drainer")
+        for pid in drainers:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(STALL_S)  # under the heartbeat timeout: it is not replaced meanwhile
+        for pid in drainers:
+            os.kill(pid, signal.SIGCONT)
+        f.note = f"drainer SIGSTOPped {STALL_S:g} s, queue of {SMALL_QUEUE}"
     elif f.name == "redis-restart":
         redis.kill()
         time.sleep(0.5)
@@ -437,7 +448,7 @@ def ledger(
     fig["dedupe_pending_409"] = sum(1 for a in attempts if a.status == 409)
     fig["store_unavailable_503"] = sum(1 for a in attempts if a.error == "store_unavailable")
 
-    stalls = [(f.start_s, f.end_s) for f in faults if f.name in ("redis-stall", "queue-full")]
+    stalls = [(f.start_s, f.end_s) for f in faults if f.name == "redis-stall"]
     stalled = [
         a.latency_ms for a in attempts if a.status and any(s <= a.sent_s <= e for s, e in stalls)
     ]
@@ -503,6 +514,10 @@ def ledger(
         fig["duplicates_stored_redis_healthy"] == 0, "duplicates stored while Redis was healthy"
     )
     led.check(all(s["balanced"] for s in fig["settle"]), "settle accounting does not balance")
+    for f in faults:
+        if f.name == "queue-full":
+            dropped = fig["settle"][f.host]["dropped_full"]
+            led.check(dropped > 0, f"queue-full: host {f.host}'s settle queue never overflowed")
     led.check(fig["stall_p99_ms"] <= TIMEOUT_MS + 5, f"p99 while stalled over {TIMEOUT_MS + 5} ms")
     for k in kills:
         if k["fault"] != "supervisor-kill":
