@@ -55,7 +55,9 @@ first ``peek``, and after a commit it did not finish.) Giving a slot up goes the
 way -- mark it, move the head, free it -- and a consumer that finds a marked slot at the
 head finishes the job at once. A slot is counted abandoned by the consumer that moves the
 head past it, in ``peek``'s answer; the one count that can still be lost is that of a
-consumer killed between moving the head and its caller adding the count up.
+consumer killed between moving the head and its caller adding the count up. A record that
+fails its check is counted the same way at the head; after good records it is freed with
+them, so a consumer killed before its ``commit`` has it counted again by the next one.
 """
 
 from __future__ import annotations
