@@ -6,9 +6,9 @@
  * whole of the C in ankusa-shm: one type, AtomicView, that holds a buffer
  * export (so the mapping cannot be closed underneath it) and performs load,
  * store, fetch-add and compare-and-swap on aligned signed 64-bit words at a
- * byte offset. Everything else is Python.
+ * byte offset, and one function, crc32. Everything else is Python.
  *
- * Three hot routines live here too, because benchmarks showed they pay: the node rate
+ * Four hot routines live here too, because benchmarks showed they pay: the node rate
  * limiter's GCRA take (slot lookup + compare-and-swap of the TAT word), which costs several
  * hundred nanoseconds as Python and well under one hundred here (bench_shm.py); the
  * breaker's window sum, read on every failed store call (bench_fleet.py's stall); and a
@@ -16,9 +16,9 @@
  * (bench_admin.py's metrics on/off). wait_at_least/wake are a futex on a word, so a
  * store writer waiting for its turn sleeps without the GIL and is woken the moment its
  * turn comes (shm/turns.py): polled from Python, every look took the GIL back from the
- * busy event loop of its process. crc32 checks a settle record where it lies, without
- * copying it out first (bench_shm.py's queue: zlib.crc32 of copies cost about 650 ns a
- * push and pop). Their
+ * busy event loop of its process. And crc32, a settle record's check, computed over a
+ * bytes object in place: zlib.crc32 (a buffer export, and a slice of the record to give
+ * it) put the queue's push + pop over its 3 us target in bench_shm.py. The
  * formats are layout.py's; GCRA_FORMAT and BREAKER_FORMAT export the constants below so
  * gcra.py and breaker.py can refuse to run against a layout that disagrees.
  *
@@ -133,27 +133,30 @@ crc32_of(const unsigned char *p, Py_ssize_t n)
     return c ^ 0xFFFFFFFFu;
 }
 
+/* crc32(data, start, end): the CRC-32 of data[start:end], data a bytes object, read in
+ * place (no buffer export, no slice). */
 static PyObject *
-av_crc32(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
+crc32_bytes(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
-    if (!nargs_ok("crc32", nargs, 2))
+    if (!nargs_ok("crc32", nargs, 3))
         return NULL;
-    if (!self->held) {
-        PyErr_SetString(PyExc_ValueError, "AtomicView is released");
-        return NULL;
-    }
-    Py_ssize_t off = PyLong_AsSsize_t(args[0]);
-    if (off == -1 && PyErr_Occurred())
-        return NULL;
-    Py_ssize_t n = PyLong_AsSsize_t(args[1]);
-    if (n == -1 && PyErr_Occurred())
-        return NULL;
-    if (off < 0 || n < 0 || off > self->view.len - n) {
-        PyErr_Format(PyExc_IndexError, "%zd bytes at %zd outside buffer of %zd bytes", n, off,
-                     self->view.len);
+    if (!PyBytes_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "crc32() takes bytes");
         return NULL;
     }
-    return PyLong_FromUnsignedLong(crc32_of((const unsigned char *)self->view.buf + off, n));
+    Py_ssize_t start = PyLong_AsSsize_t(args[1]);
+    if (start == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t end = PyLong_AsSsize_t(args[2]);
+    if (end == -1 && PyErr_Occurred())
+        return NULL;
+    if (start < 0 || end < start || end > PyBytes_GET_SIZE(args[0])) {
+        PyErr_Format(PyExc_IndexError, "[%zd:%zd] outside %zd bytes", start, end,
+                     PyBytes_GET_SIZE(args[0]));
+        return NULL;
+    }
+    const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(args[0]) + start;
+    return PyLong_FromUnsignedLong(crc32_of(p, end - start));
 }
 
 static PyObject *
@@ -540,8 +543,6 @@ static PyMethodDef av_methods[] = {
      "word is >= value (True) or timeout_ns has passed (False); wake() cuts a sleep short."},
     {"wake", (PyCFunction)(void (*)(void))av_wake, METH_FASTCALL,
      "wake(offset) -> int: wake every process and thread in wait_at_least on that word."},
-    {"crc32", (PyCFunction)(void (*)(void))av_crc32, METH_FASTCALL,
-     "crc32(offset, length) -> int: zlib's CRC-32 of those bytes of the buffer."},
     {"release", (PyCFunction)av_release, METH_NOARGS,
      "release(): drop the buffer export so the mapping can be closed."},
     {NULL, NULL, 0, NULL},
@@ -566,8 +567,14 @@ static PyTypeObject AtomicViewType = {
     .tp_getset = av_getset,
 };
 
+static PyMethodDef module_methods[] = {
+    {"crc32", (PyCFunction)(void (*)(void))crc32_bytes, METH_FASTCALL,
+     "crc32(data, start, end) -> int: zlib's CRC-32 of data[start:end] (data: bytes)."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef atomics_module = {
-    PyModuleDef_HEAD_INIT, "_atomics", "64-bit atomics on shared buffers.", -1, NULL,
+    PyModuleDef_HEAD_INIT, "_atomics", "64-bit atomics on shared buffers.", -1, module_methods,
 };
 
 PyMODINIT_FUNC

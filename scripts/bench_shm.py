@@ -50,7 +50,7 @@ from typing import Any, Literal, NoReturn, Protocol
 
 import posix_ipc
 
-from ankusa_shm._atomics import AtomicView
+from ankusa_shm._atomics import AtomicView, crc32
 from ankusa_shm.limits import MAX_SPAN_US, Limit, retry_ms
 from ankusa_shm.shm import layout as L
 from ankusa_shm.shm import procs, segment
@@ -269,7 +269,6 @@ class TwinQueue:
         self._acquire = sem.acquire
         self._release = sem.release
         self._buf = buf
-        self._crc32 = AtomicView(buf).crc32
         base = lay.offset("queue")
         self._enq = base + L.Q_ENQUEUE
         self._deq = base + L.Q_DEQUEUE
@@ -293,6 +292,7 @@ class TwinQueue:
             + rec.key
             + rec.hook_id
         )
+        crc = crc32(body, 0, len(body))
         buf = self._buf
         self._acquire()
         try:
@@ -302,7 +302,6 @@ class TwinQueue:
                 return Pushed.FULL
             start = cell + L.QS_RECORD
             buf[start + CHECK.size : start + CHECK.size + len(body)] = body
-            crc = self._crc32(start + CHECK.size, len(body))
             CHECK.pack_into(buf, start, (crc ^ pos) & 0xFFFFFFFF)
             WORD.pack_into(buf, cell, pos + 1)
             WORD.pack_into(buf, self._enq, pos + 1)
@@ -337,19 +336,19 @@ class TwinQueue:
             self._release()
 
     def _read(self, cell: int, pos: int) -> Record:
-        start = cell + L.QS_RECORD
+        raw = self._buf[cell + L.QS_RECORD : cell + L.QUEUE_SLOT_BYTES].tobytes()
         check, op, id_len, key_len, ttl_ms, claimed_ms, enqueued_ms, token = L.RECORD.unpack_from(
-            self._buf, start
+            raw
         )
-        key_at = start + L.RECORD.size
-        end = key_at + key_len + id_len
-        if (self._crc32(start + CHECK.size, end - start - CHECK.size) ^ pos) & 0xFFFFFFFF != check:
+        key_end = L.RECORD.size + key_len
+        end = key_end + id_len
+        if (crc32(raw, CHECK.size, end) ^ pos) & 0xFFFFFFFF != check:
             raise ValueError(f"record {pos} fails its check")
         return Record(
             op=Op(op),
-            key=bytes(self._buf[key_at : key_at + key_len]),
+            key=raw[L.RECORD.size : key_end],
             token=token,
-            hook_id=bytes(self._buf[key_at + key_len : end]),
+            hook_id=raw[key_end:end],
             ttl_ms=ttl_ms,
             claimed_ms=claimed_ms,
             enqueued_ms=enqueued_ms,

@@ -67,7 +67,7 @@ import os
 from collections.abc import Callable
 from typing import NamedTuple
 
-from ankusa_shm._atomics import AtomicView
+from ankusa_shm._atomics import AtomicView, crc32
 from ankusa_shm.shm import layout as L
 from ankusa_shm.shm import pids
 from ankusa_shm.shm.pids import pid_alive
@@ -179,6 +179,7 @@ class SettleQueue:
             raise ValueError(f"a claim token is 16 bytes, not {len(token)}")
         body = _pack_body(op, len(hook_id), len(key), ttl_ms, claimed_ms, enqueued_ms, token)
         body += key + hook_id
+        crc = crc32(body, 0, len(body))  # of its own bytes: a stale copy may land in the slot
         v, cap = self._view, self.capacity
         pos = v.load(self._enq)
         while True:
@@ -199,9 +200,8 @@ class SettleQueue:
         if _pause_while_writing is not None:
             _pause_while_writing()
         record = cell + _REC
-        start, size = record + _BODY, len(body)
-        self._buf[start : start + size] = body
-        _pack_check(self._buf, record, (v.crc32(start, size) ^ pos) & _LOW32)
+        self._buf[record + _BODY : record + _BODY + len(body)] = body
+        _pack_check(self._buf, record, (crc ^ pos) & _LOW32)
         if not v.cas(cell, pos | _WRITING, pos + 1):
             return Pushed.ABANDONED
         if v.load(self._sleeping) and v.cas(self._sleeping, 1, 0):  # one producer wakes it
@@ -348,10 +348,7 @@ class SettleQueue:
         check, op, id_len, key_len, ttl_ms, claimed_ms, enqueued_ms, token = _unpack(raw)
         key_end = _HEAD + key_len
         end = key_end + id_len
-        # Checked where it lies, after the copy: a stale producer's bytes landing in
-        # between make the two disagree, and the record is refused.
-        body = cell + _REC + _BODY
-        if end > len(raw) or (self._view.crc32(body, end - _BODY) ^ pos) & _LOW32 != check:
+        if end > len(raw) or (crc32(raw, _BODY, end) ^ pos) & _LOW32 != check:
             return None
         kind = _OPS.get(op)
         if kind is None:  # the check passed by chance (one in 2**32)
