@@ -88,13 +88,6 @@ class Op(enum.IntEnum):
 
 
 _OPS = {op.value: op for op in Op}
-# The layout's names, bound once: push and peek run for every hook, and each module
-# attribute looked up costs about as much as an atomic load.
-_SLOT = L.QUEUE_SLOT_BYTES
-_REC = L.QS_RECORD
-_WRITING = L.QS_WRITING
-_ABANDONED = L.QS_ABANDONED
-_MAX_PAYLOAD = L.RECORD_MAX_PAYLOAD
 _pack_body = L.RECORD_BODY.pack
 _pack_check = L.RECORD_CHECK.pack_into
 _unpack = L.RECORD.unpack_from
@@ -170,7 +163,7 @@ class SettleQueue:
     def push(self, rec: Record) -> Pushed:
         """Add one record; never blocks. A full ring is ``Pushed.FULL`` at once."""
         op, key, token, hook_id, ttl_ms, claimed_ms, enqueued_ms = rec
-        if len(key) + len(hook_id) > _MAX_PAYLOAD or len(hook_id) > 255:
+        if len(key) + len(hook_id) > L.RECORD_MAX_PAYLOAD or len(hook_id) > 255:
             raise RecordTooLarge(
                 f"settle record of {len(key) + len(hook_id)} bytes (key + hook id) exceeds "
                 f"the {L.RECORD_MAX_PAYLOAD}-byte slot limit (and a hook id 255)"
@@ -183,7 +176,7 @@ class SettleQueue:
         v, cap = self._view, self.capacity
         pos = v.load(self._enq)
         while True:
-            cell = self._slots + (pos % cap) * _SLOT
+            cell = self._slots + (pos % cap) * L.QUEUE_SLOT_BYTES
             seq = v.load(cell)
             if seq == pos:
                 if v.cas(self._enq, pos, pos + 1):
@@ -195,14 +188,14 @@ class SettleQueue:
                 pos = v.load(self._enq)  # another producer took ``pos`` meanwhile
         if _pause_after_reserve is not None:
             _pause_after_reserve()
-        if not v.cas(cell, pos, pos | _WRITING):
+        if not v.cas(cell, pos, pos | L.QS_WRITING):
             return Pushed.ABANDONED
         if _pause_while_writing is not None:
             _pause_while_writing()
-        record = cell + _REC
+        record = cell + L.QS_RECORD
         self._buf[record + _BODY : record + _BODY + len(body)] = body
         _pack_check(self._buf, record, (crc ^ pos) & _LOW32)
-        if not v.cas(cell, pos | _WRITING, pos + 1):
+        if not v.cas(cell, pos | L.QS_WRITING, pos + 1):
             return Pushed.ABANDONED
         if v.load(self._sleeping) and v.cas(self._sleeping, 1, 0):  # one producer wakes it
             self.wake_consumer()
@@ -276,7 +269,7 @@ class SettleQueue:
         records: list[Record] = []
         skipped = corrupt = 0
         while len(records) < max_records:
-            cell = self._slots + (pos % cap) * _SLOT
+            cell = self._slots + (pos % cap) * L.QUEUE_SLOT_BYTES
             seq = v.load(cell)
             if seq == pos + 1:
                 rec = self._read(cell, pos)
@@ -291,7 +284,7 @@ class SettleQueue:
             elif records or (seq == pos and v.load(self._enq) <= pos):
                 break  # end of what is published, or the ring is empty
             # A slot marked by a consumer killed before it moved on needs no grace period.
-            elif seq != pos | _ABANDONED and not self._abandon(cell, pos, seq, now_ms):
+            elif seq != pos | L.QS_ABANDONED and not self._abandon(cell, pos, seq, now_ms):
                 break
             else:
                 skipped += 1
@@ -310,7 +303,7 @@ class SettleQueue:
         for pos in range(batch.start, batch.end):
             if pause is not None:
                 pause(pos)
-            v.store(self._slots + (pos % cap) * _SLOT, pos + cap)
+            v.store(self._slots + (pos % cap) * L.QUEUE_SLOT_BYTES, pos + cap)
         self._tidy_at = batch.end
 
     def _free_behind(self, head: int) -> None:
@@ -344,7 +337,7 @@ class SettleQueue:
     def _read(self, cell: int, pos: int) -> Record | None:
         """The record published at ``pos``; None if it fails its check."""
         # One copy of the whole slot, then slices of it: cheaper than three reads.
-        raw = self._buf[cell + _REC : cell + _SLOT].tobytes()
+        raw = self._buf[cell + L.QS_RECORD : cell + L.QUEUE_SLOT_BYTES].tobytes()
         check, op, id_len, key_len, ttl_ms, claimed_ms, enqueued_ms, token = _unpack(raw)
         key_end = _HEAD + key_len
         end = key_end + id_len
