@@ -215,7 +215,7 @@ def zombie(work: Callable[[], object] | None = None) -> Iterator[int]:
             os._exit(code)
     try:
         deadline = time.monotonic() + TIMEOUT_S
-        while _state_of(pid) != "Z":
+        while state_of(pid) != "Z":
             assert time.monotonic() < deadline, f"child {pid} never became a zombie"
             time.sleep(0.005)
         yield pid
@@ -224,7 +224,8 @@ def zombie(work: Callable[[], object] | None = None) -> Iterator[int]:
     assert os.waitstatus_to_exitcode(status) == 0, f"the zombie's work failed: {status}"
 
 
-def _state_of(pid: int) -> str:
+def state_of(pid: int) -> str:
+    """The state letter of ``/proc/<pid>/stat`` (Z: zombie, T: stopped)."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         return f.read().rpartition(b")")[2].split()[0].decode()
 

@@ -107,7 +107,7 @@ def test_records_that_fail_their_check_are_counted_and_the_rest_delivered(
                 for i in range(4):
                     fleet.settle(claims[i], Committed(f"hook-{i}"))
                 assert seg.queue_depth() == 4
-                seg.buf[first + L.QUEUE_SLOT_BYTES + 4] ^= 0xFF  # record 1's op
+                seg.buf[first + L.QUEUE_SLOT_BYTES + L.RECORD_CHECK.size] ^= 0xFF  # 1's op
                 seg.buf[first + 2 * L.QUEUE_SLOT_BYTES + L.RECORD.size + 3] ^= 0x01  # 2's key
                 await drain_all(cfg, seg)
                 with redis_server.client() as r:

@@ -17,7 +17,7 @@ import kill_loop
 import pytest
 from conftest import SMALL
 from kill_loop import origin, rec
-from proc_helpers import CTX, Children, dead_pid, run_children
+from proc_helpers import CTX, Children, dead_pid, run_children, state_of
 
 from ankusa_shm import config
 from ankusa_shm._atomics import AtomicView
@@ -567,7 +567,8 @@ def test_a_record_from_the_last_lap_is_not_read_as_this_laps(seg_name: str) -> N
         q.become_consumer()
         cap = seg.layout.params.queue_capacity
         assert q.push(rec(0, 1)) is Pushed.OK
-        first = bytes(seg.buf[record_at(seg, 0) : record_at(seg, 0) + L.QUEUE_SLOT_BYTES - 8])
+        at = record_at(seg, 0)
+        first = bytes(seg.buf[at : at + L.QUEUE_SLOT_BYTES - L.QS_RECORD])  # its whole record
         assert drain(q) == [rec(0, 1)]
         for i in range(cap):  # a lap: position ``cap`` is the first record's slot again
             assert q.push(rec(i, 2)) is Pushed.OK
@@ -593,11 +594,6 @@ def _freeze_while_writing(name: str) -> str:
         return queue(s).push(rec(7, 5)).value
 
 
-def stopped(pid: int) -> bool:
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        return f.read().rsplit(b")", 1)[1].split()[0] == b"T"
-
-
 def test_a_producer_frozen_mid_copy_for_a_lap_never_gets_its_record_delivered(
     seg_name: str,
 ) -> None:
@@ -612,7 +608,7 @@ def test_a_producer_frozen_mid_copy_for_a_lap_never_gets_its_record_delivered(
             pid = kids.start(_freeze_while_writing, seg.name).pid
             assert pid is not None
             deadline = time.monotonic() + 60
-            while not stopped(pid):
+            while state_of(pid) != "T":
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             assert q.peek(10, 0)[0].records == []

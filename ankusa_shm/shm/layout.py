@@ -199,7 +199,7 @@ QS_ABANDONED = 1 << 61
 # producer that stalled mid-copy, or damage.
 RECORD_CHECK = struct.Struct("<I")
 RECORD_BODY = struct.Struct("<BBHqqq16s")
-RECORD = struct.Struct("<IBBHqqq16s")  # the two together
+RECORD = struct.Struct(RECORD_CHECK.format + RECORD_BODY.format.removeprefix("<"))
 
 # The largest record a valid config and a valid hook make, declared once: config checks
 # names against MAX_NAME, the fleet store hashes a longer event key to "sha256:<hex>"

@@ -95,7 +95,7 @@ _BODY = L.RECORD_CHECK.size  # where the body starts in the record
 _HEAD = L.RECORD.size
 _LOW32 = 0xFFFFFFFF
 # Tuples built without the NamedTuples' Python-level __new__: half the cost, and the
-# consumer builds one per record.
+# consumer builds a Record per record and a Batch per peek.
 _tuple = tuple.__new__
 _BASE = ~(L.QS_WRITING | L.QS_ABANDONED)  # a sequence word's position, without its flags
 
@@ -278,9 +278,10 @@ class SettleQueue:
                     pos += 1
                     continue
                 corrupt += 1
-                if records:
+                if records:  # freed with them by commit
                     pos += 1
                     continue
+                # at the head: skipped at once, below, as a slot given up on is
             elif records or (seq == pos and v.load(self._enq) <= pos):
                 break  # end of what is published, or the ring is empty
             # A slot marked by a consumer killed before it moved on needs no grace period.
