@@ -125,15 +125,15 @@ class RequestPath:
             return retry_later(409, "dedupe_pending", verdict.retry_ms)
         assert isinstance(verdict, Admit)
         wall_ms = int(now_s * 1000)
-        hook = NewHook(
-            id=new_hook_id(wall_ms),
-            tenant=source.tenant,
-            source=source.id,
-            event_key=key,
-            dedupe_ttl_s=source.dedupe_ttl_s,
-            received_ms=wall_ms,
-            headers=tuple([p for p in req.headers if p[0] not in _NOT_KEPT]),
-            body=req.body,
+        hook = NewHook(  # id, tenant, source, event key, ttl, received, headers, body
+            new_hook_id(wall_ms),
+            source.tenant,
+            source.id,
+            key,
+            source.dedupe_ttl_s,
+            wall_ms,
+            tuple([p for p in req.headers if p[0] not in _NOT_KEPT]),
+            req.body,
         )
         began = time.monotonic_ns()
         result: CommitResult = await self._writer.commit(hook, verdict.claim)  # and settles it
