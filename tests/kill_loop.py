@@ -145,6 +145,7 @@ class Tally:
     redelivered: int = 0
     abandoned: int = 0  # slots the consumers skipped as abandoned
     depth_over_capacity: int = 0
+    damaged: int = 0  # times the ring, its consumer just killed, failed SettleQueue.check
     # producer -> deliveries of each of its seqs (a bytearray indexed by seq: millions fit)
     delivered: dict[int, bytearray] = field(default_factory=dict)
 
@@ -257,6 +258,7 @@ def run(seg: Segment, kills: int, victims: int = 0, grace_ms: int = 500, seed: i
                 c.kill()
                 c.join(60)
                 assert c.exitcode == -signal.SIGKILL, f"consumer exited with {c.exitcode}"
+                tally.damaged += q.check() is not None  # what a re-attaching owner checks
                 tally.kills += 1
             stop.set()
             results = producers.collect()

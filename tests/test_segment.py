@@ -220,6 +220,27 @@ def test_open_for_owner_reattaches_and_keeps_the_queue(seg: Segment) -> None:
         assert s.read_config() == {"hello": "world"}
 
 
+def test_open_for_owner_rebuilds_a_damaged_queue_and_keeps_its_records(
+    seg: Segment, caplog: pytest.LogCaptureFixture
+) -> None:
+    records = _records(4)
+    _push(seg, records)
+    created = seg.header().created_ns
+    seg.view.store(seg.layout.offset("queue") + L.Q_ENQUEUE, 10**12)  # a stray write
+    seg.view.store(L.H_OWNER_PID, dead_pid())
+    seg.close()
+    with caplog.at_level(logging.WARNING, logger="ankusa_shm.segment"):
+        s = Segment.open_for_owner(seg.name, SMALL)
+    with s:
+        assert s.header().created_ns == created  # repaired in place, not replaced
+        assert s.queue_depth() == 4
+        q = SettleQueue(s.view, s.buf, s.layout)
+        q.become_consumer()
+        assert q.peek(100, now_ms=0) == ((records, 0, 4, 0), 0)
+    assert "settle queue was damaged" in caplog.text
+    assert "rebuilt with the 4 queued operations" in caplog.text
+
+
 def test_open_for_owner_replaces_other_params(
     seg: Segment, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -431,6 +431,7 @@ def test_a_producer_killed_after_reserving_does_not_wedge_the_queue(seg: Segment
         assert reserved.wait(60)
         victim.kill()
         victim.join(60)
+    assert queue(seg).check() is None
     assert run_children(1, _push_records, seg.name, [1, 2, 3]) == [["ok"] * 3]
 
     row = procs.claim(seg.view, seg.layout, procs.Role.TOOL).counters
@@ -463,6 +464,7 @@ def test_a_producer_killed_while_copying_does_not_wedge_the_queue(seg: Segment) 
     seg.view.store(base + L.Q_ENQUEUE, 1)
     seg.view.store(base + L.Q_SLOTS + L.QS_SEQ, 0 | L.QS_WRITING)
     q = queue(seg, grace_ms=GRACE_MS)
+    assert q.check() is None
     assert q.push(rec(1)) is Pushed.OK
     q.become_consumer()
     assert q.peek(10, 0)[0].records == []
@@ -651,6 +653,7 @@ def test_a_consumer_killed_inside_commit_loses_nothing(seg_name: str, die_at: in
         with Children() as kids:
             kids.start(_commit_and_die, s.name, die_at).join(60)
             assert kids.procs[0].exitcode == -signal.SIGKILL
+        assert q.check() is None  # a state the queue's own code leaves: not damage
         pushed = [q.push(rec(cap + i)) for i in range(cap)]
         told_ok = [rec(cap + i) for i, p in enumerate(pushed) if p is Pushed.OK]
         assert q.depth() <= cap
@@ -679,6 +682,7 @@ def test_a_consumer_killed_while_abandoning_a_slot_is_finished_by_the_next(
         s.view.store(base + L.Q_SLOTS, 0 | L.QS_ABANDONED)
         if head_moved:
             s.view.store(base + L.Q_DEQUEUE, 1)
+        assert q.check() is None
         pushed = [q.push(rec(2 + i)) for i in range(cap)]
         assert pushed == [Pushed.OK] * 6 + [Pushed.FULL] * 2  # slot 0 is not free yet
         q.become_consumer()
@@ -697,7 +701,7 @@ def test_consumers_killed_at_random_lose_nothing(seg_name: str) -> None:
     assert t.kills == KILLS and t.told_ok > KILLS, figures
     assert t.killed_in_commit == len(range(0, KILLS, 3)), figures
     assert (t.lost, t.phantom, t.corrupt) == (0, 0, 0), figures
-    assert t.depth_over_capacity == 0, figures
+    assert (t.depth_over_capacity, t.damaged) == (0, 0), figures
     assert (t.abandoned, t.told_abandoned) == (0, 0), figures  # no producer died or stalled
 
 
@@ -708,8 +712,78 @@ def test_producers_killed_mid_push_are_the_only_abandoned(seg_name: str) -> None
     figures = t.figures()
     assert t.victims == 3, figures
     assert (t.lost, t.phantom, t.corrupt, t.depth_over_capacity) == (0, 0, 0, 0), figures
+    assert t.damaged == 0, figures
     # A producer stalled past the grace period is told so; nothing else is abandoned.
     assert t.abandoned == t.victims + t.told_abandoned, figures
+
+
+# -- a ring damaged from outside ---------------------------------------------------------------
+
+
+def _wrapped_ring_with(s: Segment, published: int) -> SettleQueue:
+    """A ring of 8 that has gone round a few laps, ``published`` records waiting in it:
+    positions 21 .. 21 + published - 1, across a wrap."""
+    q = queue(s)
+    q.become_consumer()
+    for i in range(21):
+        assert q.push(rec(1000 + i)) is Pushed.OK
+        drain(q)
+    assert [q.push(rec(i)) for i in range(published)] == [Pushed.OK] * published
+    return q
+
+
+@pytest.mark.parametrize(
+    ("enqueue", "dequeue"),
+    [(21 + 8 + 1, 21), (20, 21), (2**62, 21), (21, 2**40)],
+    ids=["over-capacity", "head-past-tail", "huge-tail", "huge-head"],
+)
+def test_positions_no_ring_can_have_are_damage_and_rebuilding_keeps_every_record(
+    seg_name: str, enqueue: int, dequeue: int
+) -> None:
+    with tiny_ring(seg_name) as s:
+        q = _wrapped_ring_with(s, 5)
+        assert q.check() is None
+        base = s.layout.offset("queue")
+        s.view.store(base + L.Q_ENQUEUE, enqueue)
+        s.view.store(base + L.Q_DEQUEUE, dequeue)
+        damage = q.check()
+        assert damage is not None and "position" in damage
+        assert q.rebuild() == (5, 0)
+        assert q.check() is None
+        assert q.depth() == 5
+        assert drain(q) == [rec(i) for i in range(5)]  # in their order, across the wrap
+        for lap in range(3):  # and the ring works on, lap after lap
+            assert [q.push(rec(i, lap)) for i in range(8)] == [Pushed.OK] * 8
+            assert q.push(rec(8, lap)) is Pushed.FULL
+            assert drain(q) == [rec(i, lap) for i in range(8)]
+
+
+@pytest.mark.parametrize("slot", ["free", "published"])
+def test_a_slot_word_no_state_reads_as_is_damage_and_only_its_record_is_lost(
+    seg_name: str, slot: str
+) -> None:
+    with tiny_ring(seg_name) as s:
+        q = _wrapped_ring_with(s, 5)
+        pos = 21 + 7 if slot == "free" else 21 + 2
+        cell = s.layout.offset("queue") + L.Q_SLOTS + (pos % 8) * L.QUEUE_SLOT_BYTES
+        s.view.store(cell, 0x5EED_F00D_0BAD_CAFE)
+        damage = q.check()
+        assert damage is not None and f"slot {pos % 8} " in damage
+        kept = [rec(i) for i in range(5) if slot == "free" or i != 2]
+        assert q.rebuild() == (len(kept), 1)
+        assert q.check() is None
+        assert drain(q) == kept
+
+
+def test_a_record_that_fails_its_check_is_not_rebuilt(seg_name: str) -> None:
+    with tiny_ring(seg_name) as s:
+        q = _wrapped_ring_with(s, 3)
+        cell = s.layout.offset("queue") + L.Q_SLOTS + ((21 + 1) % 8) * L.QUEUE_SLOT_BYTES
+        s.buf[cell + L.QS_RECORD + L.RECORD.size] ^= 0xFF  # a byte of its key
+        s.view.store(s.layout.offset("queue") + L.Q_ENQUEUE, 2**50)
+        assert q.check() is not None
+        assert q.rebuild() == (2, 1)
+        assert drain(q) == [rec(0), rec(2)]
 
 
 # -- limits -------------------------------------------------------------------------------------

@@ -200,6 +200,18 @@ class Segment:
             )
             unlink(path)
             return cls.create(path, params)
+        queue = SettleQueue(seg.view, seg.buf, seg.layout)
+        damage = queue.check()
+        if damage is not None:
+            kept, lost = queue.rebuild()
+            log.warning(
+                "segment %s: its settle queue was damaged (%s); rebuilt with the %d queued "
+                "operations that passed their checks, %d slots lost",
+                path,
+                damage,
+                kept,
+                lost,
+            )
         seg._take_ownership()
         log.info(
             "re-attached segment %s; %d queued settle operations kept", path, seg.queue_depth()

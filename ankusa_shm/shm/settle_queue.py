@@ -158,6 +158,66 @@ class SettleQueue:
         for i in range(self.capacity):
             self._view.store(self._slots + i * L.QUEUE_SLOT_BYTES + L.QS_SEQ, i)
 
+    # -- a ring left by a dead owner -------------------------------------------------------
+
+    def check(self) -> str | None:
+        """What is wrong with the ring's words, or None: for the supervisor re-attaching,
+        before any process of its own uses the ring.
+
+        Every state the protocol can leave -- producers and consumers killed at any
+        instruction, a frozen producer -- keeps the two positions at most a capacity
+        apart, and each slot's sequence word on one of the values its position allows:
+        this lap's (free, being written, published, given up on) or, just behind the
+        head, the last lap's not yet freed. Anything else was written by no ankusa-shm
+        code: a consumer would give slots up one grace period at a time and producers
+        would find the ring full, for as long as the segment lived."""
+        v, cap = self._view, self.capacity
+        deq, enq = v.load(self._deq), v.load(self._enq)
+        if not deq <= enq <= deq + cap:
+            return f"enqueue position {enq} and dequeue position {deq} are not 0-{cap} apart"
+        for pos in range(deq, deq + cap):
+            seq = v.load(self._slots + (pos % cap) * L.QUEUE_SLOT_BYTES)
+            last = pos - cap  # the slot's position a lap ago, behind the head
+            if seq not in (pos, pos | L.QS_WRITING, pos + 1, pos | L.QS_ABANDONED) and (
+                last < 0 or seq not in (last + 1, last | L.QS_ABANDONED)
+            ):
+                return f"slot {pos % cap} reads {seq:#x}, not a state of position {pos}"
+        return None
+
+    def rebuild(self) -> tuple[int, int]:
+        """Renumber the ring from position 0 and queue again, in their order, the records
+        it held that pass their checks (a check binds its record to its position, so only
+        the slot's own word need be whole for it to be read). For an owner, before its
+        processes start. Returns how many records were kept, and how many slots were lost:
+        a record being written, or failing its check, or a word no state reads as.
+
+        A record consumed but not yet freed is kept too: delivering it again changes
+        nothing (settle operations are idempotent)."""
+        v, cap = self._view, self.capacity
+        found: list[tuple[int, Record]] = []
+        lost = 0
+        for i in range(cap):
+            cell = self._slots + i * L.QUEUE_SLOT_BYTES
+            seq = v.load(cell)
+            flags, pos = seq & ~_BASE, seq & _BASE
+            if not flags and pos % cap == (i + 1) % cap and pos:  # published at pos - 1
+                rec = self._read(cell, pos - 1)
+                if rec is not None:
+                    found.append((pos - 1, rec))
+                    continue
+            elif pos % cap == i and flags in (0, L.QS_ABANDONED):  # free, or given up on
+                continue
+            lost += 1
+        found.sort(key=lambda item: item[0])
+        v.store(self._deq, 0)
+        v.store(self._enq, 0)
+        v.store(self._sleeping, 0)
+        self.format()
+        for _, rec in found:
+            self.push(rec)
+        self._tidy_at = -1
+        return len(found), lost
+
     # -- producers ------------------------------------------------------------------------
 
     def push(self, rec: Record) -> Pushed:
