@@ -29,7 +29,7 @@ from ankusa_shm.shm import layout as L
 from ankusa_shm.shm.counters import Counter
 from ankusa_shm.shm.degraded import Degraded
 from ankusa_shm.shm.segment import Segment
-from ankusa_shm.shm.settle_queue import Op, Record, SettleQueue
+from ankusa_shm.shm.settle_queue import Op, Pushed, Record, SettleQueue
 from ankusa_shm.shm.snapshot import GAUGES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -226,6 +226,18 @@ def test_corrupt_contents_under_a_whole_header(
     seg.view.store((seg.layout.offset(region) if region else 0) + at, word)
     assert_refused(script("--name", seg.name), "corrupt")
     assert_refused(console("inspect", "--name", seg.name, "--json"), "corrupt")
+
+
+def test_a_damaged_queue_of_a_stopped_service_is_named(seg: Segment) -> None:
+    queue = SettleQueue(seg.view, seg.buf, seg.layout)
+    assert queue.push(Record(Op.PROMOTE, b"k", bytes(16), b"h", 1, 2, 3)) is Pushed.OK
+    seg.view.store(L.H_OWNER_PID, dead_pid())  # stopped: nothing moves the ring
+    r = console("inspect", "--name", seg.name, "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["queue"]["depth"] == 1
+    seg.view.store(seg.layout.offset("queue") + L.Q_ENQUEUE, 2**40)
+    assert_refused(script("--name", seg.name), "settle queue: enqueue position")
+    assert_refused(console("inspect", "--name", seg.name, "--json"), "rebuilds the queue")
 
 
 def test_invalid_name() -> None:

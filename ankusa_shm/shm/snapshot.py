@@ -117,11 +117,19 @@ def take(seg: Segment) -> Snapshot:
     degraded = Degraded(v, lay)
     processes = procs.read(v, lay)
     _check_identities(seg.name, hdr.owner_pid, queue.consumer_pid(), processes)
+    owner_alive = pid_alive(hdr.owner_pid, hdr.owner_start)
+    if not owner_alive:  # a ring at rest: the check its next owner makes holds exactly
+        damage = queue.check()
+        if damage is not None:
+            raise CorruptSegment(
+                f"segment {seg.name} is corrupt: its settle queue: {damage} "
+                "(the next supervisor started on it rebuilds the queue)"
+            )
     return Snapshot(
         name=seg.name,
         taken_ms=now,
         header=hdr,
-        owner_alive=pid_alive(hdr.owner_pid, hdr.owner_start),
+        owner_alive=owner_alive,
         config=config,
         breaker=BreakerView(state.name.lower(), owner, since, window_ms, calls, failures),
         degraded={k: degraded.is_set(k) for k in L.KINDS},
