@@ -514,6 +514,9 @@ def ledger(
         fig["duplicates_stored_redis_healthy"] == 0, "duplicates stored while Redis was healthy"
     )
     led.check(all(s["balanced"] for s in fig["settle"]), "settle accounting does not balance")
+    for i, h in enumerate(hosts):  # a restart after SIGKILL re-attaches a ring at rest
+        damaged = "settle queue was damaged" in h.service.log()
+        led.check(not damaged, f"host {i}: a crash left a settle queue taken for damage")
     for f in faults:
         if f.name == "queue-full":
             dropped = fig["settle"][f.host]["dropped_full"]

@@ -167,6 +167,7 @@ def test_a_killed_supervisor_restarts_on_its_segment_and_loses_nothing_queued(
     wait_until(lambda: not svc.children(), what="the children gone with their supervisor")
     svc.start()
     assert "re-attached segment" in svc.log()
+    assert "settle queue was damaged" not in svc.log()  # a crash is not damage
     # What was queued, and the promotes the first new worker queued again for the hooks
     # stored just before the crash (the recovery: idempotent, so they change nothing here).
     wait_until(
