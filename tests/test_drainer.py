@@ -92,11 +92,13 @@ def test_drainer_delivers_promotes_and_releases(redis_server: RedisServer) -> No
         assert values == [committed(0), committed(1), committed(2), committed(3), None, None]
 
 
+@pytest.mark.parametrize("at_head", [False, True], ids=["after-records", "and-at-the-head"])
 def test_records_that_fail_their_check_are_counted_and_the_rest_delivered(
-    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture, at_head: bool
 ) -> None:
     """A damaged op byte made the drainer raise on every start before records carried a
-    check; a damaged key byte sent a promote for a key no hook has."""
+    check; a damaged key byte sent a promote for a key no hook has. One at the head is
+    freed by the peek, the others with their batch: each is counted once either way."""
     with segments(1) as (seg,):
         cfg = fleet_config(redis_server.url, bare(seg))
         first = seg.layout.offset("queue") + L.Q_SLOTS + L.QS_RECORD
@@ -109,17 +111,21 @@ def test_records_that_fail_their_check_are_counted_and_the_rest_delivered(
                 assert seg.queue_depth() == 4
                 seg.buf[first + L.QUEUE_SLOT_BYTES + L.RECORD_CHECK.size] ^= 0xFF  # 1's op
                 seg.buf[first + 2 * L.QUEUE_SLOT_BYTES + L.RECORD.size + 3] ^= 0x01  # 2's key
+                if at_head:
+                    seg.buf[first] ^= 0xFF  # 0's check
                 await drain_all(cfg, seg)
                 with redis_server.client() as r:
                     values = committed_values(r, [dd_key(f"k{i}") for i in range(4)])
-                assert values[0] == committed(0) and values[3] == committed(3)
-                assert values[1:3] == [pending_value(c.token) for c in claims[1:3]]
+                lost = range(3) if at_head else range(1, 3)
+                assert values[3] == committed(3)
+                assert values[0] == (pending_value(claims[0].token) if at_head else committed(0))
+                assert [values[i] for i in lost] == [pending_value(claims[i].token) for i in lost]
 
         run(body())
         assert seg.queue_depth() == 0
         counted = totals(seg)
-        assert counted[Counter.SETTLE_CORRUPT] == 2
-        assert counted[Counter.SETTLED_PROMOTE] == 2
+        assert counted[Counter.SETTLE_CORRUPT] == (3 if at_head else 2)
+        assert counted[Counter.SETTLED_PROMOTE] == (1 if at_head else 2)
         assert "failed their check" in caplog.text
 
 

@@ -236,7 +236,8 @@ def test_open_for_owner_rebuilds_a_damaged_queue_and_keeps_its_records(
         assert s.queue_depth() == 4
         q = SettleQueue(s.view, s.buf, s.layout)
         q.become_consumer()
-        assert q.peek(100, now_ms=0) == ((records, 0, 4, 0), 0)
+        batch, skipped = q.peek(100, now_ms=0)
+        assert (batch.records, batch.corrupt, batch.corrupt_skipped, skipped) == (records, 0, 0, 0)
     assert "settle queue was damaged" in caplog.text
     assert "rebuilt with the 4 queued operations" in caplog.text
 

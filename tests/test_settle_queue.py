@@ -550,9 +550,10 @@ def test_a_damaged_record_is_skipped_and_counted(seg: Segment, byte: str, where:
     bad = 0 if where == "head" else 1
     damage(seg, record_at(seg, bad) + RECORD_BYTES[byte])
     batch, skipped = q.peek(10, now_ms=0)
-    assert (batch.records, batch.corrupt, skipped) == (
+    assert (batch.records, batch.corrupt, batch.corrupt_skipped, skipped) == (
         [rec(i, 1) for i in range(3) if i != bad],
-        1,
+        0 if where == "head" else 1,  # counted once its commit is made
+        1 if where == "head" else 0,  # freed, and counted, by the peek
         0,
     )
     q.commit(batch)
@@ -561,6 +562,28 @@ def test_a_damaged_record_is_skipped_and_counted(seg: Segment, byte: str, where:
     for i in range(SMALL.queue_capacity):
         assert q.push(rec(i, 2)) is Pushed.OK
     assert drain(q) == [rec(i, 2) for i in range(SMALL.queue_capacity)]
+
+
+def test_a_damaged_record_in_a_batch_is_reported_until_the_batch_is_committed(
+    seg: Segment,
+) -> None:
+    """So a consumer counts it after its commit, as it counts what it delivered: one
+    killed before committing leaves the count to the next, which makes it once. One at
+    the head is freed by the peek that reports it, and reported once."""
+    q = queue(seg)
+    q.become_consumer()
+    for i in range(4):
+        assert q.push(rec(i, 1)) is Pushed.OK
+    damage(seg, record_at(seg, 0))
+    damage(seg, record_at(seg, 2))
+    first, _ = q.peek(10, now_ms=0)
+    again, _ = queue(seg).peek(10, now_ms=0)  # as the next consumer would, uncommitted
+    assert (first.corrupt_skipped, again.corrupt_skipped) == (1, 0)
+    assert (first.corrupt, again.corrupt) == (1, 1)
+    assert first.records == again.records == [rec(1, 1), rec(3, 1)]
+    q.commit(again)
+    batch, _ = q.peek(10, now_ms=0)
+    assert (batch.records, batch.corrupt, batch.corrupt_skipped, q.depth()) == ([], 0, 0, 0)
 
 
 def test_a_record_from_the_last_lap_is_not_read_as_this_laps(seg_name: str) -> None:

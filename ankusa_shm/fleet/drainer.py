@@ -99,8 +99,8 @@ class Drainer:
                     batch, skipped = self._queue.peek(self._batch_max, now)
                     if skipped:
                         self._row.add(Counter.SETTLE_ABANDONED, skipped)
-                    if batch.corrupt:
-                        self._corrupt(batch.corrupt)
+                    if batch.corrupt_skipped:
+                        self._corrupt(batch.corrupt_skipped)
                 if not batch.records:
                     batch = None
                     if stop.is_set() and self._queue.depth() == 0:
@@ -112,6 +112,8 @@ class Drainer:
                     full = len(batch.records) >= self._batch_max
                     self._queue.commit(batch)
                     self._count(delivered)  # after the commit: a redelivery counts once
+                    if batch.corrupt:
+                        self._corrupt(batch.corrupt)
                     batch, backoff = None, 0.0
                     if not full:
                         await self._pause(self._interval_s, stop)

@@ -56,8 +56,10 @@ way -- mark it, move the head, free it -- and a consumer that finds a marked slo
 head finishes the job at once. A slot is counted abandoned by the consumer that moves the
 head past it, in ``peek``'s answer; the one count that can still be lost is that of a
 consumer killed between moving the head and its caller adding the count up. A record that
-fails its check is counted the same way at the head; after good records it is freed with
-them, so a consumer killed before its ``commit`` has it counted again by the next one.
+fails its check is counted the same way at the head (``Batch.corrupt_skipped``); after
+good records it is freed with them by ``commit`` and counted once that is done
+(``Batch.corrupt``), as delivered records are, so a consumer killed in between leaves it
+to be counted by the next one, once.
 """
 
 from __future__ import annotations
@@ -126,7 +128,8 @@ class Batch(NamedTuple):
     records: list[Record]
     start: int
     end: int
-    corrupt: int = 0  # records this peek skipped for failing their check
+    corrupt: int = 0  # records among these that failed their check: freed by commit
+    corrupt_skipped: int = 0  # such records at the head: freed by the peek itself
 
 
 class ConsumerTaken(Exception):
@@ -320,14 +323,14 @@ class SettleQueue:
     def peek(self, max_records: int, now_ms: int) -> tuple[Batch, int]:
         """Up to ``max_records`` published records from the head, not yet freed; and how
         many abandoned slots were skipped at the head on the way. A record that fails its
-        check is never returned: at the head it is skipped at once, after records it is
-        freed with them by ``commit``; either way ``Batch.corrupt`` counts it."""
+        check is never returned: at the head it is skipped at once (``corrupt_skipped``),
+        after records it is freed with them by ``commit`` (``corrupt``)."""
         v, cap = self._view, self.capacity
         start = pos = v.load(self._deq)
         if pos != self._tidy_at:
             self._free_behind(pos)
         records: list[Record] = []
-        skipped = corrupt = 0
+        skipped = corrupt = corrupt_skipped = 0
         while len(records) < max_records:
             cell = self._slots + (pos % cap) * L.QUEUE_SLOT_BYTES
             seq = v.load(cell)
@@ -337,11 +340,12 @@ class SettleQueue:
                     records.append(rec)
                     pos += 1
                     continue
-                corrupt += 1
                 if records:  # freed with them by commit
+                    corrupt += 1
                     pos += 1
                     continue
-                # at the head: skipped at once, below, as a slot given up on is
+                # At the head: skipped at once, below, as a slot given up on is.
+                corrupt_skipped += 1
             elif records or (seq == pos and v.load(self._enq) <= pos):
                 break  # end of what is published, or the ring is empty
             # A slot marked by a consumer killed before it moved on needs no grace period.
@@ -354,7 +358,7 @@ class SettleQueue:
             self._tidy_at = pos + 1
             pos += 1
             start = pos
-        return _tuple(Batch, (records, start, pos, corrupt)), skipped
+        return _tuple(Batch, (records, start, pos, corrupt, corrupt_skipped)), skipped
 
     def commit(self, batch: Batch) -> None:
         """Move the head past a peeked batch, then free its slots for the next lap."""
