@@ -34,9 +34,9 @@ import shlex
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))  # bare_server
@@ -45,6 +45,7 @@ import uvloop
 from bare_server import Bare
 
 from ankusa_shm import config
+from ankusa_shm.fleet.admission import Fleet
 from ankusa_shm.hooks import CommitResult, Committed, NewHook
 from ankusa_shm.http.observe import Observer
 from ankusa_shm.http.protocol import Connection, HttpServer, Limits, Request, Response
@@ -54,6 +55,7 @@ from ankusa_shm.shm.histograms import HistogramRow
 from ankusa_shm.shm.procs import Role
 from ankusa_shm.shm.requests import RequestRow
 from ankusa_shm.shm.segment import Segment, make_params, unlink
+from ankusa_shm.store.writer import Writer
 
 CONNECTIONS = 32  # one worker's share of bench_http's 64
 SECRET = b"bench-request-path"
@@ -148,9 +150,6 @@ def node_config(segment: str) -> config.Config:
     )
 
 
-Handler = Callable[[Request], Awaitable[Response]]
-
-
 async def measure(
     make: Callable[[], Any], data: list[bytes], reps: int, writer: TurnWriter | None
 ) -> float:
@@ -186,8 +185,6 @@ async def run(hooks: int, reps: int) -> dict[str, float]:
     try:
         cfg = node_config(name)
         slot = procs.claim(seg.view, seg.layout, Role.WORKER)
-        from ankusa_shm.fleet.admission import Fleet  # after the segment: it reads it
-
         fleet = Fleet(cfg, seg, slot, None)
         observer = Observer(
             RequestRow(seg.view, seg.layout, slot.index),
@@ -195,7 +192,7 @@ async def run(hooks: int, reps: int) -> dict[str, float]:
             requests.source_rows(seg.blob("sources"), [s.id for s in cfg.sources]),
         )
         writer = TurnWriter()
-        path = RequestPath(cfg, fleet, writer, slot.counters, observer)  # type: ignore[arg-type]
+        path = RequestPath(cfg, fleet, cast(Writer, writer), slot.counters, observer)
         limits = Limits.of(cfg.server)
         fixed = accepted("01938d5e-7b7a-7cc1-8f0e-2c5d7e8a9b10")
 
