@@ -72,8 +72,8 @@ class NotStored:
 CommitResult = Committed | AlreadyStored | NotStored
 
 
-_VERSION_BITS = ~(0xF << 76 | 0x3 << 62)  # cleared, then set to version 7, variant 0b10
-_VERSION_7 = 0x7 << 76 | 0x2 << 62
+_RANDOM_MASK = ~(0xF << 76 | 0x3 << 62)  # every random bit but the version and variant's
+_VERSION_7 = 0x7 << 76 | 0x2 << 62  # version 7, RFC 9562 variant 0b10
 
 
 def new_hook_id(wall_ms: int) -> str:
@@ -81,6 +81,6 @@ def new_hook_id(wall_ms: int) -> str:
     hosts, unique without coordination. The bits come from ``random``, which is reseeded
     in every forked child, not from ``os.urandom``: an id need not be unguessable, and a
     system call per hook drops the GIL to the store's writer thread."""
-    n = (wall_ms & 0xFFFF_FFFF_FFFF) << 80 | random.getrandbits(80) & _VERSION_BITS | _VERSION_7
+    n = (wall_ms & 0xFFFF_FFFF_FFFF) << 80 | random.getrandbits(80) & _RANDOM_MASK | _VERSION_7
     h = n.to_bytes(16).hex()
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"

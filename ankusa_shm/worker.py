@@ -25,11 +25,8 @@ from ankusa_shm.fleet.redis_store import RedisStore
 from ankusa_shm.http.observe import Observer
 from ankusa_shm.http.protocol import HttpServer, Limits
 from ankusa_shm.http.request_path import RequestPath
-from ankusa_shm.shm import requests
 from ankusa_shm.shm.commits import CommitWord
-from ankusa_shm.shm.histograms import HistogramRow
 from ankusa_shm.shm.procs import ProcessSlot
-from ankusa_shm.shm.requests import RequestRow
 from ankusa_shm.shm.segment import Segment
 from ankusa_shm.shm.turns import Turns
 from ankusa_shm.store import readers
@@ -71,19 +68,13 @@ class Worker:
         queued = fleet.repromote(hooks, wall_ms())
         log.info("recovery: %d promotes queued for hooks stored since a crash", queued)
 
-    def _observer(self) -> Observer:
-        seg, index = self._seg, self._slot.index
-        ids = [s.id for s in self._cfg.sources]
-        return Observer(
-            RequestRow(seg.view, seg.layout, index),
-            HistogramRow(seg.view, seg.layout, index),
-            requests.source_rows(seg.blob("sources"), ids),
-        )
-
     async def _serve(self) -> int:
         cfg, seg = self._cfg, self._seg
         loop = asyncio.get_running_loop()
-        observer = self._observer() if cfg.server.request_metrics else None
+        ids = [s.id for s in cfg.sources]
+        observer = (
+            Observer.of_slot(seg, self._slot.index, ids) if cfg.server.request_metrics else None
+        )
         commits = CommitWord(seg.view, seg.layout)
 
         def on_commit(hooks: int) -> None:

@@ -521,10 +521,15 @@ def test_a_producer_that_resumes_within_the_grace_period_is_delivered(seg: Segme
 # -- records that fail their check ------------------------------------------------------------
 
 
+def slot_at(seg: Segment, pos: int) -> int:
+    """Where the slot of position ``pos`` (its sequence word first) is in the segment."""
+    slot = pos % seg.layout.params.queue_capacity
+    return seg.layout.offset("queue") + L.Q_SLOTS + slot * L.QUEUE_SLOT_BYTES
+
+
 def record_at(seg: Segment, pos: int) -> int:
     """Where the record of position ``pos`` starts in the segment."""
-    slot = pos % seg.layout.params.queue_capacity
-    return seg.layout.offset("queue") + L.Q_SLOTS + slot * L.QUEUE_SLOT_BYTES + L.QS_RECORD
+    return slot_at(seg, pos) + L.QS_RECORD
 
 
 def damage(seg: Segment, at: int) -> None:
@@ -533,8 +538,8 @@ def damage(seg: Segment, at: int) -> None:
 
 RECORD_BYTES = {
     "check": 0,
-    "op": 4,
-    "key length": 7,  # its high byte: a length past the slot's end
+    "op": L.RECORD_CHECK.size,
+    "key length": L.RECORD_CHECK.size + 3,  # its high byte: a length past the slot's end
     "token": L.RECORD.size - 1,
     "key": L.RECORD.size + 5,
 }
@@ -769,8 +774,8 @@ def test_positions_no_ring_can_have_are_damage_and_rebuilding_keeps_every_record
         base = s.layout.offset("queue")
         s.view.store(base + L.Q_ENQUEUE, enqueue)
         s.view.store(base + L.Q_DEQUEUE, dequeue)
-        damage = q.check()
-        assert damage is not None and "position" in damage
+        found = q.check()
+        assert found is not None and "position" in found
         assert q.rebuild() == (5, 0)
         assert q.check() is None
         assert q.depth() == 5
@@ -788,10 +793,9 @@ def test_a_slot_word_no_state_reads_as_is_damage_and_only_its_record_is_lost(
     with tiny_ring(seg_name) as s:
         q = _wrapped_ring_with(s, 5)
         pos = 21 + 7 if slot == "free" else 21 + 2
-        cell = s.layout.offset("queue") + L.Q_SLOTS + (pos % 8) * L.QUEUE_SLOT_BYTES
-        s.view.store(cell, 0x5EED_F00D_0BAD_CAFE)
-        damage = q.check()
-        assert damage is not None and f"slot {pos % 8} " in damage
+        s.view.store(slot_at(s, pos), 0x5EED_F00D_0BAD_CAFE)
+        found = q.check()
+        assert found is not None and f"slot {pos % 8} " in found
         kept = [rec(i) for i in range(5) if slot == "free" or i != 2]
         assert q.rebuild() == (len(kept), 1)
         assert q.check() is None
@@ -801,8 +805,7 @@ def test_a_slot_word_no_state_reads_as_is_damage_and_only_its_record_is_lost(
 def test_a_record_that_fails_its_check_is_not_rebuilt(seg_name: str) -> None:
     with tiny_ring(seg_name) as s:
         q = _wrapped_ring_with(s, 3)
-        cell = s.layout.offset("queue") + L.Q_SLOTS + ((21 + 1) % 8) * L.QUEUE_SLOT_BYTES
-        s.buf[cell + L.QS_RECORD + L.RECORD.size] ^= 0xFF  # a byte of its key
+        damage(s, record_at(s, 21 + 1) + L.RECORD.size)  # a byte of its key
         s.view.store(s.layout.offset("queue") + L.Q_ENQUEUE, 2**50)
         assert q.check() is not None
         assert q.rebuild() == (2, 1)

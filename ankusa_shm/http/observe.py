@@ -9,6 +9,7 @@ import time
 from ankusa_shm.shm import requests
 from ankusa_shm.shm.histograms import Histogram, HistogramRow
 from ankusa_shm.shm.requests import RequestRow
+from ankusa_shm.shm.segment import Segment
 
 HOOKS_PREFIX = b"/hooks/"
 
@@ -28,6 +29,15 @@ class Observer:
         self._histograms = histograms
         self._latency = histograms.base + Histogram.REQUEST.offset
         self._latency_bounds = Histogram.REQUEST.bounds  # the row's own, not a copy
+
+    @classmethod
+    def of_slot(cls, seg: Segment, slot: int, source_ids: list[str]) -> Observer:
+        """The observer writing into process slot ``slot``'s rows of ``seg``."""
+        return cls(
+            RequestRow(seg.view, seg.layout, slot),
+            HistogramRow(seg.view, seg.layout, slot),
+            requests.source_rows(seg.blob("sources"), source_ids),
+        )
 
     def answered(self, path: bytes, status: int, started_ns: int) -> None:
         """The HTTP server's observer: one answer, just before it is written."""
