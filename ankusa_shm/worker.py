@@ -77,10 +77,10 @@ class Worker:
         )
         commits = CommitWord(seg.view, seg.layout)
 
-        def on_commit(hooks: int) -> None:
+        def on_commit(hooks: int, waited_ns: int, held_ns: int) -> None:
             commits.bump()
             if observer is not None:
-                observer.batch(hooks)
+                observer.transaction(hooks, waited_ns, held_ns)
 
         try:
             password = read_secret(cfg.fleet.password_env, cfg.fleet.password_file)

@@ -66,7 +66,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # red
 
 from redis_server import RedisServer, free_port
 
-from ankusa_shm.shm.segment import unlink
+from ankusa_shm.shm import histograms
+from ankusa_shm.shm.histograms import Histogram
+from ankusa_shm.shm.segment import Segment, unlink
 from ankusa_shm.store import readers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -504,6 +506,39 @@ class Result:
         return 0 if self.stored is None else max(0, self.run.accepted - self.stored)
 
 
+STORE_HISTOGRAMS = (Histogram.BATCH, Histogram.LOCK_WAIT, Histogram.LOCK_HELD, Histogram.COMMIT)
+
+
+def store_sums(segment: str) -> dict[Histogram, tuple[int, int]]:
+    """(observations, sum) of the store's histograms in a running service's segment."""
+    with Segment.attach(segment, readonly=True) as seg:
+        totals = histograms.totals(seg.view, seg.layout)
+    return {h: (totals[h].count, totals[h].sum) for h in STORE_HISTOGRAMS}
+
+
+def store_figures(
+    before: dict[Histogram, tuple[int, int]],
+    after: dict[Histogram, tuple[int, int]],
+    seconds: float,
+) -> dict[str, float]:
+    """What the store's transactions did during the run: their size, their wait for the
+    writers' lock and their time holding it (means), the share of the run the lock was
+    held by one writer or another, and how long a hook waited for its commit (mean)."""
+    count = {h: after[h][0] - before[h][0] for h in STORE_HISTOGRAMS}
+    total = {h: after[h][1] - before[h][1] for h in STORE_HISTOGRAMS}
+    n = count[Histogram.BATCH]
+    if not n:
+        return {}
+    return {
+        "transactions": n,
+        "hooks_per_transaction": total[Histogram.BATCH] / n,
+        "lock_wait_ms": total[Histogram.LOCK_WAIT] / n / 1e6,
+        "lock_held_ms": total[Histogram.LOCK_HELD] / n / 1e6,
+        "lock_busy": total[Histogram.LOCK_HELD] / 1e9 / seconds,
+        "commit_wait_ms": total[Histogram.COMMIT] / max(1, count[Histogram.COMMIT]) / 1e6,
+    }
+
+
 During = Callable[[], Callable[[], dict[str, float]]]
 """Started with the measured run; the function it returns is called when the run ends and
 gives the figures of what ran beside the load."""
@@ -539,16 +574,22 @@ def run_target(
         rcpu0: dict[int, float] = {}
         machine0 = [0, 0]
         beside: list[Callable[[], dict[str, float]]] = []
+        store0: dict[Histogram, tuple[int, int]] = {}
 
         def started() -> None:
             cpu0.update(cpu_s(pids))
             rcpu0.update(cpu_s(redis_pids))
             machine0[:] = machine_ticks()
+            if t.segment:
+                store0.update(store_sums(t.segment))
             if during is not None:
                 beside.append(during())
 
         run = wrk(url, lua, pool, 0, warm_first, seconds, started, connections)
         extra = beside[0]() if beside else {}
+        if t.segment:
+            store = store_figures(store0, store_sums(t.segment), run.duration_s)
+            extra.update({f"store_{k}": v for k, v in store.items()})
         cpu1, rcpu1 = cpu_s(pids), cpu_s(redis_pids)
         machine1 = machine_ticks()
         busy = (machine1[0] - machine0[0]) / max(1, machine1[1] - machine0[1])
@@ -599,6 +640,13 @@ def line(r: Result) -> str:
         parts.append(f"LOST {r.lost} accepted hooks")
     if r.stored is not None and r.stored > run.accepted + run.connections:
         parts.append(f"{r.stored - run.accepted} rows more than 201s: more than were in flight")
+    if "store_transactions" in r.extra:
+        x = r.extra
+        parts.append(
+            f"store: {x['store_hooks_per_transaction']:.1f} hooks a transaction, "
+            f"lock wait {x['store_lock_wait_ms']:.2f} ms held {x['store_lock_held_ms']:.2f} ms "
+            f"(busy {x['store_lock_busy']:.0%}), a hook waits {x['store_commit_wait_ms']:.2f} ms"
+        )
     if "redis_committed" in r.extra:
         parts.append(
             f"redis committed {r.extra['redis_committed']:,} of {r.extra['stored_total']:,}"
@@ -751,6 +799,10 @@ def main() -> int:
         figures[f"{name}_wrk_cpu_share"] = round(wrk_cpu, 3)
         figures[f"{name}_server_cpu_share"] = round(server_cpu, 3)
         figures[f"{name}_machine_busy"] = round(median(runs, lambda r: r.machine_busy), 3)
+        for key in ("hooks_per_transaction", "lock_wait_ms", "lock_held_ms", "lock_busy"):
+            values = [r.extra[f"store_{key}"] for r in runs if f"store_{key}" in r.extra]
+            if len(values) == len(runs):
+                figures[f"{name}_{key}"] = round(statistics.median(values), 3)
     print("ratios" + (" (the median of each round's own)" if rounds > 1 else "") + ":")
     for key, a, b, goal in RATIOS:
         per_round = [

@@ -155,6 +155,26 @@ def test_metrics_count_every_answer_by_source_and_status(make: Callable[..., Ser
     assert om == {k: float(n) for k, n in sent.items()}
 
 
+def test_every_store_transaction_is_timed_once(make: Callable[..., Service]) -> None:
+    """Each committed transaction is one observation of its hooks, its wait for the
+    writers' lock and its time holding it -- recorded before its hooks are answered."""
+    svc = make().start()
+    assert [demo(svc, f"t-{i}") for i in range(8)] == [201] * 8
+    assert demo(svc, "t-0") == 201  # a duplicate is answered by a transaction too
+    samples = scrape(svc)
+
+    def value(name: str) -> float:
+        (sample,) = samples[name]
+        return float(sample.value)
+
+    assert value("ankusa_store_batch_hooks_sum") == 9
+    transactions = value("ankusa_store_batch_hooks_count")
+    assert 1 <= transactions <= 9
+    assert value("ankusa_store_lock_wait_seconds_count") == transactions
+    assert value("ankusa_store_lock_held_seconds_count") == transactions
+    assert value("ankusa_store_lock_held_seconds_sum") > 0
+
+
 def test_a_sigkilled_workers_observations_are_kept(make: Callable[..., Service]) -> None:
     svc = make().start()
     n = 20

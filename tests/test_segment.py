@@ -126,9 +126,19 @@ def test_attach_another_layout_version(seg: Segment) -> None:
         Segment.attach(seg.name, readonly=True)
 
 
-def test_attach_another_counter_count(seg: Segment) -> None:
-    seg.view.store(L.param_offsets()["counters"], SMALL.counters + 1)
-    with pytest.raises(LayoutMismatch, match="counters"):
+@pytest.mark.parametrize(
+    ("param", "named"),
+    [
+        ("counters", "counters"),
+        ("statuses", "status columns"),
+        ("histogram_words", "histogram words"),
+    ],
+)
+def test_attach_another_builds_rows(seg: Segment, param: str, named: str) -> None:
+    """Counters, status columns and histograms are the build's: another build's segment
+    is refused by name, not read as if its rows meant ours."""
+    seg.view.store(L.param_offsets()[param], getattr(SMALL, param) + 1)
+    with pytest.raises(LayoutMismatch, match=f"{getattr(SMALL, param) + 1} {named}; this build"):
         Segment.attach(seg.name)
 
 

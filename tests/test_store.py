@@ -633,6 +633,38 @@ def test_lock_held_past_the_bound(tmp_path: Path, holder: str) -> None:
     assert readers.ids(cfg.path) == {first.id, later.id}
 
 
+def test_a_transaction_reports_its_wait_for_the_lock(tmp_path: Path) -> None:
+    """on_commit hears each committed transaction once the lock is let go: its hooks, how
+    long it waited while another process held the writers' lock, and how long it held it."""
+    cfg = store_cfg(tmp_path)
+    heard: list[tuple[int, int, int]] = []
+    quick, blocked = [hook() for _ in range(3)], hook()
+
+    async def body() -> None:
+        w = Writer(cfg, on_commit=lambda *t: heard.append(t))
+        w.start(asyncio.get_running_loop())
+        try:
+            await asyncio.gather(*(w.commit(h) for h in quick))
+            with Child("hold-flock", cfg.path) as child:
+                assert child.line() == "held"
+                pending = asyncio.ensure_future(w.commit(blocked))
+                await asyncio.sleep(0.5)
+                assert not pending.done()
+                child.send("release")
+                assert child.wait() == 0
+                assert await pending == Committed(blocked.id)
+        finally:
+            await w.close()
+
+    run(body)
+    assert sum(n for n, _, _ in heard) == 4
+    assert heard[-1][0] == 1
+    waited, held = heard[-1][1:]
+    assert 0.3e9 <= waited < 30e9  # asked within 0.2 s of the commit, got it at the release
+    assert 0 < held < waited
+    assert all(w >= 0 and h > 0 for _, w, h in heard)
+
+
 def test_sweeper_deletes_expired_rows_only(tmp_path: Path) -> None:
     cfg = store_cfg(tmp_path, max_batch=1000)
     wall = FakeWall()

@@ -50,6 +50,9 @@ class Observer:
         """The request path: one hook's commit answered after ``waited_ns``."""
         self._histograms.observe(Histogram.COMMIT, waited_ns)
 
-    def batch(self, hooks: int) -> None:
-        """The store's writer thread: one transaction of ``hooks`` committed."""
+    def transaction(self, hooks: int, waited_ns: int, held_ns: int) -> None:
+        """The store's writer thread: one transaction of ``hooks`` committed, after waiting
+        ``waited_ns`` for the writers' lock and holding it ``held_ns``."""
         self._histograms.observe(Histogram.BATCH, hooks)
+        self._histograms.observe(Histogram.LOCK_WAIT, waited_ns)
+        self._histograms.observe(Histogram.LOCK_HELD, held_ns)

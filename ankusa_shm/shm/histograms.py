@@ -21,10 +21,11 @@ from ankusa_shm.shm import layout as L
 from ankusa_shm.shm.counters import summed_rows
 
 _MS = 1_000_000  # ns
-LATENCY_BOUNDS_NS = tuple(
-    int(ms * _MS)
-    for ms in (0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000)
-)
+_LATENCY_MS = (0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000)
+LATENCY_BOUNDS_NS = tuple(int(ms * _MS) for ms in _LATENCY_MS)
+# The writers' lock: a wait is mostly nothing or a part of another worker's transaction,
+# a transaction a fraction of a millisecond to a few, so the bounds start lower.
+LOCK_BOUNDS_NS = tuple(int(ms * _MS) for ms in (0.05, 0.1, *_LATENCY_MS))
 BATCH_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
@@ -45,6 +46,18 @@ class Histogram(enum.Enum):
         1e9,
     )
     BATCH = ("store_batch_hooks", "Hooks per store transaction.", BATCH_BOUNDS, 1.0)
+    LOCK_WAIT = (
+        "store_lock_wait_seconds",
+        "How long a store transaction waited for the writers' lock (another worker held it).",
+        LOCK_BOUNDS_NS,
+        1e9,
+    )
+    LOCK_HELD = (
+        "store_lock_held_seconds",
+        "How long a store transaction held the writers' lock: its statements and its COMMIT.",
+        LOCK_BOUNDS_NS,
+        1e9,
+    )
 
     def __init__(self, family: str, help: str, bounds: tuple[int, ...], per_unit: float) -> None:
         self.family = family

@@ -303,6 +303,13 @@ def unlink(name: str) -> bool:
     return True
 
 
+_BUILD_PARAMS = {
+    "counters": "counters",
+    "statuses": "status columns",
+    "histogram_words": "histogram words",
+}
+
+
 def _read_params(v: AtomicView) -> L.Params:
     return L.Params(**{name: v.load(off) for name, off in L.param_offsets().items()})
 
@@ -327,10 +334,12 @@ def _validate(path: str, mm: mmap.mmap, size: int) -> L.Layout:
             lay = L.Layout.of(_read_params(v))
         except ValueError as e:
             raise CorruptSegment(f"segment {path}: {e}") from None
-        if lay.params.counters != len(Counter):
-            raise LayoutMismatch(
-                f"segment {path} has {lay.params.counters} counters; this build has {len(Counter)}"
-            )
+        # What the build decides, not the config: another build's rows mean other things.
+        ours = make_params()
+        for field, what in _BUILD_PARAMS.items():
+            theirs, mine = getattr(lay.params, field), getattr(ours, field)
+            if theirs != mine:
+                raise LayoutMismatch(f"segment {path} has {theirs} {what}; this build has {mine}")
         if v.load(L.H_TOTAL_SIZE) != lay.total_size or size < lay.total_size:
             raise CorruptSegment(
                 f"segment {path} is {size} bytes; its header describes {lay.total_size}"

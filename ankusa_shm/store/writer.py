@@ -89,6 +89,10 @@ WAL_LIMIT_FRAMES = 4_096  # a log this long (16 MiB of 4 KiB pages) is finished 
 _BUSY_PAUSE_S = 0.01  # after SQLITE_BUSY, so a holder that refuses at once is not spun on
 _NEVER = 1 << 62
 
+OnCommit = Callable[[int, int, int], None]
+"""Told of a committed transaction: its hooks, how long it waited for the writers' lock
+and how long it held it, in nanoseconds."""
+
 WallClock = Callable[[], int]
 """Returns wall-clock milliseconds since the epoch; tests inject their own."""
 
@@ -222,12 +226,12 @@ class Writer:
         self,
         cfg: config.Store,
         wall: WallClock = wall_ms,
-        on_commit: Callable[[int], None] | None = None,
+        on_commit: OnCommit | None = None,
         settle: Settle | None = None,
         turns: Queue | None = None,
     ) -> None:
         """``on_commit`` is called from the writer thread after each transaction that
-        committed hooks, with how many it held (for metrics and long-polls). ``settle``
+        committed hooks, once the lock is let go (for metrics and long-polls). ``settle``
         hears the outcome of every hook committed with a claim, whatever it was, once:
         from the thread, right after its transaction, once the lock is let go, so a
         process killed after a commit has almost never left a claim unsettled (the window
@@ -513,11 +517,15 @@ class Writer:
 
     def _write_batch(self) -> None:
         assert self._lock is not None
+        asked = time.monotonic_ns()
         self._lock.acquire()
+        got = time.monotonic_ns()
         try:
-            items, results = self._transaction()
+            items, results, hooks = self._transaction()
         finally:
             self._release()
+        if hooks and self._on_commit is not None:
+            self._on_commit(hooks, got - asked, time.monotonic_ns() - got)
         # Claims are settled once the lock is let go: the next writer's turn does not wait
         # for a batch's pushes onto the settle queue.
         self._hand_back(self._outcomes(items, results))
@@ -617,22 +625,23 @@ class Writer:
             log.warning("cannot write the hook store: %s", what)
             self._failing = True
 
-    def _transaction(self) -> tuple[list[_Item], list[CommitResult]]:
+    def _transaction(self) -> tuple[list[_Item], list[CommitResult], int]:
         """One transaction of up to ``max_batch`` hooks, with the lock held; the hooks it
-        took off the queue and what became of each."""
+        took off the queue, what became of each, and how many it committed (its batch,
+        or 0 if it failed)."""
         conn = self._begin()
         if conn is None:
             if self._conn is not None:  # busy: leave the hooks queued for the timer
-                return [], []
+                return [], [], 0
             batch, late = self._take(everything=True)
             self.stats.not_stored += len(batch)
             gone = batch + late
-            return gone, [UNAVAILABLE] * len(gone)
+            return gone, [UNAVAILABLE] * len(gone), 0
         batch, late = self._take(everything=False)
         if not batch:
             with contextlib.suppress(sqlite3.Error):
                 conn.execute("ROLLBACK")
-            return late, [UNAVAILABLE] * len(late)
+            return late, [UNAVAILABLE] * len(late), 0
         try:
             results, committed, already, size = self._insert(conn, [item.hook for item in batch])
             conn.execute("COMMIT")
@@ -653,9 +662,8 @@ class Writer:
             s.committed += committed
             s.already_stored += already
             self._logged(committed, size)
-            if self._on_commit is not None:
-                self._on_commit(len(batch))
-        return late + batch, [UNAVAILABLE] * len(late) + results
+            return late + batch, [UNAVAILABLE] * len(late) + results, len(batch)
+        return late + batch, [UNAVAILABLE] * len(late) + results, 0
 
     def _insert(self, conn: sqlite3.Connection, hooks: Sequence[NewHook]) -> _Inserted:
         """The hooks and their index rows, in order, so a key's first hook in the batch is
