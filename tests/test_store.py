@@ -35,6 +35,7 @@ from ankusa_shm.store import readers, schema, writer
 from ankusa_shm.store.writer import (
     SWEEP_ROWS,
     UNAVAILABLE,
+    OnCommit,
     StoreError,
     WallClock,
     Writer,
@@ -85,9 +86,11 @@ def run(body: Callable[[], Coroutine[Any, Any, T]]) -> T:
 
 
 @asynccontextmanager
-async def started(cfg: config.Store, wall: WallClock = wall_ms) -> AsyncIterator[Writer]:
+async def started(
+    cfg: config.Store, wall: WallClock = wall_ms, on_commit: OnCommit | None = None
+) -> AsyncIterator[Writer]:
     """A Writer started on the running loop, closed on the way out (closing twice is fine)."""
-    writer = Writer(cfg, wall)
+    writer = Writer(cfg, wall, on_commit)
     writer.start(asyncio.get_running_loop())
     try:
         yield writer
@@ -641,9 +644,7 @@ def test_a_transaction_reports_its_wait_for_the_lock(tmp_path: Path) -> None:
     quick, blocked = [hook() for _ in range(3)], hook()
 
     async def body() -> None:
-        w = Writer(cfg, on_commit=lambda *t: heard.append(t))
-        w.start(asyncio.get_running_loop())
-        try:
+        async with started(cfg, on_commit=lambda *t: heard.append(t)) as w:
             await asyncio.gather(*(w.commit(h) for h in quick))
             with Child("hold-flock", cfg.path) as child:
                 assert child.line() == "held"
@@ -653,8 +654,6 @@ def test_a_transaction_reports_its_wait_for_the_lock(tmp_path: Path) -> None:
                 child.send("release")
                 assert child.wait() == 0
                 assert await pending == Committed(blocked.id)
-        finally:
-            await w.close()
 
     run(body)
     assert sum(n for n, _, _ in heard) == 4

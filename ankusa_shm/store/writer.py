@@ -650,7 +650,7 @@ class Writer:
                 log.exception("%s: a batch failed", self.path)
             self._fail(conn, e)
             self.stats.not_stored += len(batch)
-            results = [UNAVAILABLE] * len(batch)
+            results, hooks = [UNAVAILABLE] * len(batch), 0
         else:
             if self._failing:
                 log.info("%s: writing again", self.path)
@@ -662,8 +662,8 @@ class Writer:
             s.committed += committed
             s.already_stored += already
             self._logged(committed, size)
-            return late + batch, [UNAVAILABLE] * len(late) + results, len(batch)
-        return late + batch, [UNAVAILABLE] * len(late) + results, 0
+            hooks = len(batch)
+        return late + batch, [UNAVAILABLE] * len(late) + results, hooks
 
     def _insert(self, conn: sqlite3.Connection, hooks: Sequence[NewHook]) -> _Inserted:
         """The hooks and their index rows, in order, so a key's first hook in the batch is
