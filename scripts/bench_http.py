@@ -506,11 +506,18 @@ class Result:
         return 0 if self.stored is None else max(0, self.run.accepted - self.stored)
 
 
-STORE_HISTOGRAMS = (Histogram.BATCH, Histogram.LOCK_WAIT, Histogram.LOCK_HELD, Histogram.COMMIT)
+STORE_HISTOGRAMS = (
+    Histogram.BATCH,
+    Histogram.LOCK_WAIT,
+    Histogram.LOCK_HELD,
+    Histogram.COMMIT,
+    Histogram.FLEET_CALL,
+)
 
 
 def store_sums(segment: str) -> dict[Histogram, tuple[int, int]]:
-    """(observations, sum) of the store's histograms in a running service's segment."""
+    """(observations, sum) of the stores' histograms in a running service's segment: the
+    hook store's, and the fleet store's calls."""
     with Segment.attach(segment, readonly=True) as seg:
         totals = histograms.totals(seg.view, seg.layout)
     return {h: (totals[h].count, totals[h].sum) for h in STORE_HISTOGRAMS}
@@ -523,13 +530,14 @@ def store_figures(
 ) -> dict[str, float]:
     """What the store's transactions did during the run: their size, their wait for the
     writers' lock and their time holding it (means), the share of the run the lock was
-    held by one writer or another, and how long a hook waited for its commit (mean)."""
+    held by one writer or another, how long a hook waited for its commit (mean) and, in
+    fleet scope, how long its call to Redis took (mean)."""
     count = {h: after[h][0] - before[h][0] for h in STORE_HISTOGRAMS}
     total = {h: after[h][1] - before[h][1] for h in STORE_HISTOGRAMS}
     n = count[Histogram.BATCH]
     if not n:
         return {}
-    return {
+    figures = {
         "transactions": n,
         "hooks_per_transaction": total[Histogram.BATCH] / n,
         "lock_wait_ms": total[Histogram.LOCK_WAIT] / n / 1e6,
@@ -537,6 +545,9 @@ def store_figures(
         "lock_busy": total[Histogram.LOCK_HELD] / 1e9 / seconds,
         "commit_wait_ms": total[Histogram.COMMIT] / max(1, count[Histogram.COMMIT]) / 1e6,
     }
+    if calls := count[Histogram.FLEET_CALL]:
+        figures["redis_call_ms"] = total[Histogram.FLEET_CALL] / calls / 1e6
+    return figures
 
 
 During = Callable[[], Callable[[], dict[str, float]]]
@@ -651,6 +662,8 @@ def line(r: Result) -> str:
         parts.append(
             f"redis committed {r.extra['redis_committed']:,} of {r.extra['stored_total']:,}"
         )
+    if "store_redis_call_ms" in r.extra:
+        parts.append(f"a hook's redis call {r.extra['store_redis_call_ms']:.2f} ms")
     return " | ".join(parts)
 
 
@@ -799,7 +812,13 @@ def main() -> int:
         figures[f"{name}_wrk_cpu_share"] = round(wrk_cpu, 3)
         figures[f"{name}_server_cpu_share"] = round(server_cpu, 3)
         figures[f"{name}_machine_busy"] = round(median(runs, lambda r: r.machine_busy), 3)
-        for key in ("hooks_per_transaction", "lock_wait_ms", "lock_held_ms", "lock_busy"):
+        for key in (
+            "hooks_per_transaction",
+            "lock_wait_ms",
+            "lock_held_ms",
+            "lock_busy",
+            "redis_call_ms",
+        ):
             values = [r.extra[f"store_{key}"] for r in runs if f"store_{key}" in r.extra]
             if len(values) == len(runs):
                 figures[f"{name}_{key}"] = round(statistics.median(values), 3)

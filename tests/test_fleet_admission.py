@@ -24,6 +24,7 @@ from fleet_helpers import (
     dd_key,
     drain_all,
     fleet_config,
+    fleet_raw,
     forked,
     open_fleet,
     pending_value,
@@ -38,6 +39,7 @@ from fleet_helpers import (
 )
 from redis_server import RedisServer
 
+from ankusa_shm import config
 from ankusa_shm.config import Config
 from ankusa_shm.fleet.admission import (
     Admit,
@@ -50,8 +52,9 @@ from ankusa_shm.fleet.admission import (
 )
 from ankusa_shm.fleet.redis_store import RedisStore
 from ankusa_shm.hooks import Committed, NotStored
-from ankusa_shm.shm import procs
+from ankusa_shm.shm import histograms, procs
 from ankusa_shm.shm.counters import Counter
+from ankusa_shm.shm.histograms import Histogram
 from ankusa_shm.shm.procs import Role
 from ankusa_shm.shm.segment import Segment
 from ankusa_shm.shm.settle_queue import Op, Record
@@ -531,6 +534,48 @@ def test_stopped_server_costs_the_budget_and_opens_the_breaker(redis_server: Red
         assert counted[Counter.BREAKER_TO_OPEN] == 1
         assert counted[Counter.BREAKER_TO_PROBING] == 1
         assert counted[Counter.BREAKER_TO_CLOSED] == 1
+
+
+def test_every_store_call_is_timed_against_its_budget(redis_server: RedisServer) -> None:
+    """Answered calls are timed as they took; calls to a stopped server as the budget they
+    ran out of. With ``request_metrics`` off, none is kept."""
+    budget_ms = 60
+    with segments(2) as (seg, quiet):
+
+        def calls(s: Segment) -> histograms.Totals:
+            return histograms.totals(s.view, s.layout)[Histogram.FLEET_CALL]
+
+        def slower_than(t: histograms.Totals, ms: float) -> int:
+            under = max((n for le, n in t.cumulative() if le * 1000 <= ms), default=0)
+            return t.count - under
+
+        async def body() -> None:
+            cfg = fleet_config(redis_server.url, bare(seg), timeout_ms=budget_ms)
+            async with open_fleet(cfg, seg) as fleet:
+                for i in range(20):
+                    assert isinstance(await admit(fleet, cfg, f"timed-{i}"), Admit)
+                answered = calls(seg)
+                assert answered.count == 20 == totals(seg)[Counter.STORE_OK]
+                assert slower_than(answered, budget_ms / 2) == 0  # loopback, not the budget
+                with stopped(redis_server.pid):
+                    for i in range(3):
+                        assert isinstance(await admit(fleet, cfg, f"late-{i}"), Admit)
+                timed_out = calls(seg)
+                assert timed_out.count == 23
+                assert totals(seg)[Counter.STORE_TIMEOUT] == 3
+                assert slower_than(timed_out, budget_ms / 2) == 3
+                # each gave up a little before the budget, to answer node-local within it
+                late_s = cfg.fleet.call_deadline_s - 0.002
+                assert timed_out.sum - answered.sum >= 3 * late_s * 1e9
+            raw = fleet_raw(redis_server.url, bare(quiet), timeout_ms=budget_ms)
+            raw["server"]["request_metrics"] = False
+            off = config.parse(raw, "fleet-test")
+            async with open_fleet(off, quiet) as fleet:
+                assert isinstance(await admit(fleet, off, "untimed"), Admit)
+            assert totals(quiet)[Counter.STORE_OK] == 1
+            assert calls(quiet).count == 0
+
+        run(body())
 
 
 def test_one_probe_at_a_time_and_a_failed_probe_reopens(redis_server: RedisServer) -> None:

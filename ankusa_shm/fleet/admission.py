@@ -35,6 +35,7 @@ from ankusa_shm.shm.breaker import Breaker, Permit, Policy
 from ankusa_shm.shm.counters import Counter
 from ankusa_shm.shm.degraded import Degraded
 from ankusa_shm.shm.gcra import GcraTable
+from ankusa_shm.shm.histograms import Histogram, HistogramRow
 from ankusa_shm.shm.procs import ProcessSlot
 from ankusa_shm.shm.segment import Segment
 from ankusa_shm.shm.settle_queue import SettleQueue
@@ -98,6 +99,11 @@ class Fleet:
         self._pending_ttl_ms = f.pending_ttl_ms
         self._clock = clock
         self._row = slot.counters
+        # How long each store call took, against the budget it had: kept with the
+        # request figures (``server.request_metrics``).
+        self._histograms = (
+            HistogramRow(seg.view, seg.layout, slot.index) if cfg.server.request_metrics else None
+        )
         self._breaker = Breaker(
             seg.view,
             seg.layout,
@@ -229,7 +235,10 @@ class Fleet:
             outcome = Counter.STORE_TIMEOUT
         except RedisError:
             outcome = Counter.STORE_ERROR
+        ended = self._clock()
         self._row.add(outcome)
+        if self._histograms is not None:
+            self._histograms.observe(Histogram.FLEET_CALL, ended - now)
         ok = outcome is Counter.STORE_OK
         if permit.probe:
             self._breaker.finish_probe(permit, ok, now_ms)
@@ -238,7 +247,7 @@ class Fleet:
         if not ok:
             return None
         if claim is not None:  # answered: the claim was written, if at all, before now
-            claim = Claim(claim.key, claim.token, claim.ttl_ms, self._clock() // 1_000_000)
+            claim = Claim(claim.key, claim.token, claim.ttl_ms, ended // 1_000_000)
         if self._breaker.closed():  # a late success while open changes nothing
             for kind in self._kinds:
                 self._degraded.set(kind, False)
