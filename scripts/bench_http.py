@@ -26,11 +26,11 @@ sender would see it, and one stall of every connection weighs far more than its 
 a single 170 ms stall in a 10 s run at 16 k hooks/s puts p99 near 75 ms.
 
 Name targets to run only those. ``--rounds N`` runs every target N times in turn, each
-with a fresh store; each figure is then the median over the rounds, and each ratio the
-median of the ratios within a round, so a machine whose speed drifts during the run moves
-both sides of a ratio together. ``--connections N`` changes the load: with a closed loop,
-more connections means more hooks in flight, so the figures move from latency-bound towards
-throughput-bound (the targets are stated for the default):
+with a fresh store (deleted once counted); each figure is then the median over the
+rounds, and each ratio the median of the ratios within a round, so a machine whose speed
+drifts during the run moves both sides of a ratio together. ``--connections N`` changes
+the load: with a closed loop, more connections means more hooks in flight, so the figures
+move from latency-bound towards throughput-bound (the targets are stated for the default):
 
   .venv/bin/python scripts/bench_http.py [--rounds N] [--connections N] [bare] [node] [fleet] [peer]
 """
@@ -187,6 +187,10 @@ def write_pool(path: Path, n: int) -> None:
         for i in range(n):
             d = f"{head}{i:012x}"
             f.write(f"{d}\t{digest(body(d))}\n")
+        # Written back now, not by the kernel's flusher 30 s later -- in the middle of
+        # whichever target runs then, whose fsyncs would queue behind 150 MB of it.
+        f.flush()
+        os.fsync(f.fileno())
 
 
 # -- CPU time of process trees, from /proc -----------------------------------------------------
@@ -790,6 +794,9 @@ def main() -> int:
             results, failures = run_round(only, round_work, lua, pool, redis, label, connections)
             each.append(results)
             failed += failures
+            # Counted already. Left on disk, a round's stores made the next rounds' `node`
+            # slower and its p99 twice as long (see benchmarks/README.md).
+            shutil.rmtree(round_work, ignore_errors=True)
     finally:
         if redis is not None:
             redis.close()
