@@ -23,10 +23,10 @@ from ankusa_shm.shm.counters import summed_rows
 _MS = 1_000_000  # ns
 _LATENCY_MS = (0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000)
 LATENCY_BOUNDS_NS = tuple(int(ms * _MS) for ms in _LATENCY_MS)
-# The writers' lock: a wait is mostly nothing or a part of another worker's transaction,
-# a transaction a fraction of a millisecond to a few, so the bounds start lower. A fleet
-# store call on a near network is a fraction of a millisecond too.
-LOCK_BOUNDS_NS = tuple(int(ms * _MS) for ms in (0.05, 0.1, *_LATENCY_MS))
+# For what takes a fraction of a millisecond to a few: a wait for the writers' lock
+# (mostly nothing, or a part of another worker's transaction), a transaction holding it,
+# a fleet store call on a near network.
+SHORT_BOUNDS_NS = tuple(int(ms * _MS) for ms in (0.05, 0.1, *_LATENCY_MS))
 BATCH_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
@@ -50,20 +50,20 @@ class Histogram(enum.Enum):
     LOCK_WAIT = (
         "store_lock_wait_seconds",
         "How long a store transaction waited for the writers' lock (another worker held it).",
-        LOCK_BOUNDS_NS,
+        SHORT_BOUNDS_NS,
         1e9,
     )
     LOCK_HELD = (
         "store_lock_held_seconds",
         "How long a store transaction held the writers' lock: its statements and its COMMIT.",
-        LOCK_BOUNDS_NS,
+        SHORT_BOUNDS_NS,
         1e9,
     )
     FLEET_CALL = (
         "fleet_store_call_duration_seconds",
-        "How long each hook waited for its fleet store call: from the send to the answer,"
+        "How long each hook's admission waited for its fleet store call: to the answer,"
         " the failure or the end of the budget.",
-        LOCK_BOUNDS_NS,
+        SHORT_BOUNDS_NS,
         1e9,
     )
 
