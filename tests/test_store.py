@@ -14,6 +14,7 @@ import os
 import random
 import resource
 import select
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -32,6 +33,7 @@ from ankusa_shm import config
 from ankusa_shm.config import ConfigError
 from ankusa_shm.hooks import AlreadyStored, CommitResult, Committed, NewHook, NotStored
 from ankusa_shm.store import readers, schema, writer
+from ankusa_shm.store.control import Control
 from ankusa_shm.store.writer import (
     SWEEP_ROWS,
     UNAVAILABLE,
@@ -606,6 +608,55 @@ def test_write_failure_answers_not_stored_then_recovers(tmp_path: Path) -> None:
 
     assert run(body) == [Committed(before.id), UNAVAILABLE, Committed(after.id)]
     assert readers.ids(cfg.path) == {before.id, after.id}
+
+
+def _take_away(path: str, how: str) -> None:
+    """``deleted``: the store's three files unlinked, as ``rm hooks.db*`` does.
+    ``replaced``: each renamed aside and a copy put at its name (a restore from a backup),
+    so the path holds the same bytes in new files."""
+    for suffix in ("", "-wal", "-shm"):
+        name = path + suffix
+        os.rename(name, name + ".old")
+        if how == "replaced":
+            shutil.copyfile(name + ".old", name)
+
+
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+def test_a_store_deleted_or_replaced_while_open_is_never_answered_stored(
+    tmp_path: Path, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An open connection goes on writing to the files it opened: unchecked, every hook
+    committed after ``rm hooks.db*`` was answered 201 and gone at the next start. The
+    batch that finds its files gone is answered unavailable (its sender retries); the next
+    opens the path again. A long-lived Reader and the admin's writer follow the path too."""
+    cfg = store_cfg(tmp_path)
+    first, lost, after = hook(b"k1"), hook(b"k2"), hook(b"k3")
+    reader = readers.Reader(cfg.path)
+    control = Control(cfg)
+
+    async def body() -> list[CommitResult]:
+        async with started(cfg) as w:
+            r1 = await w.commit(first)
+            assert reader.ids() == {first.id}
+            control.probe()
+            _take_away(cfg.path, how)
+            r2 = await w.commit(lost)
+            r3 = await w.commit(after)
+            assert (w.stats.not_stored, w.stats.reopens) == (1, 1)
+            return [r1, r2, r3]
+
+    try:
+        assert run(body) == [Committed(first.id), UNAVAILABLE, Committed(after.id)]
+        kept = {first.id} if how == "replaced" else set()
+        assert readers.ids(cfg.path) == kept | {after.id}
+        assert reader.ids() == kept | {after.id}
+        with pytest.raises(StoreError, match="deleted or replaced while open"):
+            control.probe()
+        control.probe()  # on the files at the path now
+    finally:
+        reader.close()
+        control.close()
+    assert "deleted or replaced while open" in caplog.text
 
 
 @pytest.mark.parametrize("holder", ["hold-flock", "hold-sqlite"])

@@ -71,6 +71,7 @@ class Control:
         self._mutex = threading.Lock()
         self._lock: WriteLock | None = None
         self._conn: sqlite3.Connection | None = None
+        self._ids: schema.FileIds | None = None  # of the files self._conn opened
         self._log_pages = 0
 
     def ack(self, name: str, cursor: int) -> int:
@@ -183,6 +184,8 @@ class Control:
             try:
                 result = body(conn)
                 conn.execute("COMMIT")
+                if not schema.same_files(self.path, self._ids):
+                    raise sqlite3.OperationalError(schema.REPLACED)
             except BaseException:
                 with contextlib.suppress(sqlite3.Error):
                     if conn.in_transaction:
@@ -201,6 +204,7 @@ class Control:
         self._conn = schema.open_writer(
             self.path, self.cfg.durability, self.cfg.lock_timeout_ms, any_thread=True
         )
+        self._ids = schema.file_ids(self.path)
         return self._conn
 
     def _checkpoint(self) -> None:

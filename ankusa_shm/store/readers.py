@@ -107,13 +107,15 @@ class Reader:
     """One ``mode=ro`` connection kept open, for a process that reads often.
 
     Calls may come from any thread, one at a time (a mutex sees to it). A call that fails
-    on a connection opened earlier is tried once more on a new one (the file may have been
-    replaced, or the error was passing); any other failure is a ``StoreError``.
+    on a connection opened earlier is tried once more on a new one (the error may have been
+    passing); any other failure is a ``StoreError``. A file deleted or replaced since the
+    connection opened is let go of first: the reads follow the file at the path.
     """
 
     def __init__(self, path: str | Path) -> None:
         self.path = path
         self._conn: sqlite3.Connection | None = None
+        self._ids: schema.FileIds | None = None  # of the file self._conn opened
         self._mutex = threading.Lock()
 
     def page(self, after_seq: int, limit: int, source: str | None = None) -> list[StoredHook]:
@@ -206,6 +208,8 @@ class Reader:
 
     def _rows(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
         with self._mutex:
+            if self._conn is not None and not schema.same_files(self.path, self._ids, writer=False):
+                self._drop()  # the file was replaced: read the one at the path now
             again = self._conn is not None
             while True:
                 try:
@@ -224,7 +228,9 @@ class Reader:
             raise StoreError(
                 f"{self.path}: cannot read: no such file (the service creates it when it starts)"
             )
-        return schema.connect_ro(self.path, any_thread=True)
+        conn = schema.connect_ro(self.path, any_thread=True)
+        self._ids = schema.file_ids(self.path, writer=False)
+        return conn
 
     def _drop(self) -> None:
         if self._conn is not None:

@@ -14,6 +14,7 @@ letting go of the lock (see ``writer``).
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from pathlib import Path
 from typing import Literal
@@ -80,6 +81,32 @@ _SYNCHRONOUS: dict[str, str] = {"fsync": "FULL", "os": "NORMAL"}
 
 class StoreError(Exception):
     """The store cannot be used at all; one line that names the file."""
+
+
+FileIds = tuple[tuple[int, int], ...]
+
+
+def file_ids(path: str | Path, *, writer: bool = True) -> FileIds | None:
+    """The (device, inode) of the store's database and, for a writer, of its log and its
+    shared-memory index; None if one is missing.
+
+    An open connection goes on writing to the files it opened whatever becomes of their
+    names: a store deleted or replaced under a running service would take every later
+    commit with it, each one answered as stored. So a connection notes these at open and
+    compares them after a commit, before anyone is answered (``same_files``)."""
+    names = (str(path), f"{path}-wal", f"{path}-shm") if writer else (str(path),)
+    try:
+        return tuple((st.st_dev, st.st_ino) for st in map(os.stat, names))
+    except FileNotFoundError:
+        return None
+
+
+def same_files(path: str | Path, ids: FileIds | None, *, writer: bool = True) -> bool:
+    """Whether the files at ``path`` are still the ones ``ids`` were taken of."""
+    return ids is not None and file_ids(path, writer=writer) == ids
+
+
+REPLACED = "its files were deleted or replaced while open"
 
 
 def lock_path(path: str | Path) -> Path:

@@ -266,6 +266,7 @@ class Writer:
         self._thread: threading.Thread | None = None
         # The thread's:
         self._conn: sqlite3.Connection | None = None
+        self._ids: schema.FileIds | None = None  # of the files self._conn opened
         self._lock: WriteLock | None = None
         self._failing = False  # the last transaction failed: log the recovery
         self._pause = False  # SQLite was busy: pause once the lock is let go
@@ -439,7 +440,9 @@ class Writer:
         self._lock.release()
 
     def _connect(self) -> sqlite3.Connection:
-        return schema.open_writer(self.path, self.cfg.durability, self.cfg.lock_timeout_ms)
+        conn = schema.open_writer(self.path, self.cfg.durability, self.cfg.lock_timeout_ms)
+        self._ids = schema.file_ids(self.path)
+        return conn
 
     def _drop_connection(self) -> None:
         if self._conn is not None:
@@ -524,6 +527,8 @@ class Writer:
             items, results, hooks = self._transaction()
         finally:
             self._release()
+        if hooks and not schema.same_files(self.path, self._ids):
+            results, hooks = [UNAVAILABLE] * len(results), self._replaced(hooks)
         if hooks and self._on_commit is not None:
             self._on_commit(hooks, got - asked, time.monotonic_ns() - got)
         # Claims are settled once the lock is let go: the next writer's turn does not wait
@@ -608,6 +613,19 @@ class Writer:
                 self._drop_connection()
             return None
         return self._conn
+
+    def _replaced(self, hooks: int) -> int:
+        """The batch went to files no longer at the path: none of it may be answered as
+        stored. The next batch opens the path again, as a new store if nothing is there."""
+        log.error(
+            "%s: %s; its last batch is answered unavailable, and the path reopened",
+            self.path,
+            schema.REPLACED,
+        )
+        self.stats.not_stored += hooks
+        self.stats.failures += 1
+        self._drop_connection()
+        return 0
 
     def _fail(self, conn: sqlite3.Connection, e: Exception) -> None:
         """Roll back a failed transaction; keep the connection only if it was merely busy."""
