@@ -51,6 +51,7 @@ from ankusa_shm.fleet.admission import (
     RateLimited,
 )
 from ankusa_shm.fleet.redis_store import RedisStore
+from ankusa_shm.fleet.settle import NO_TOKEN
 from ankusa_shm.hooks import Committed, NotStored
 from ankusa_shm.shm import histograms, procs
 from ankusa_shm.shm.counters import Counter
@@ -68,6 +69,14 @@ def claim_of(answer: Admitted) -> Claim:
     assert isinstance(answer, Admit), answer
     assert answer.claim is not None, answer
     return answer.claim
+
+
+def promote_only(answer: Admitted, key: str) -> Claim:
+    """Admitted with no call made (the breaker open): a claim on ``key`` with nothing in
+    Redis to release, for the promote that follows a commit."""
+    claim = claim_of(answer)
+    assert (claim.key, claim.token) == (dd_key(key), NO_TOKEN), claim
+    return claim
 
 
 # -- one limit, one window ------------------------------------------------------------------
@@ -482,9 +491,10 @@ async def timed(fleet: Fleet, cfg: Config, key: str) -> Admitted:
     return answer
 
 
-async def fail_until_open(fleet: Fleet, cfg: Config, seg: Segment, clock: FakeClock) -> None:
+async def fail_until_open(fleet: Fleet, cfg: Config, seg: Segment, clock: FakeClock) -> list[Claim]:
     """With the store unreachable: 5 failed calls, each answered node-local within the
-    budget, open the breaker; then admits make no store call at all."""
+    budget, open the breaker; then admits make no store call at all. The claims of the
+    5 hooks admitted while open."""
     for i in range(5):
         assert fleet.state() == "closed"
         claim_of(await timed(fleet, cfg, f"down-{i}"))  # node-local; the claim is kept
@@ -494,13 +504,15 @@ async def fail_until_open(fleet: Fleet, cfg: Config, seg: Segment, clock: FakeCl
     before = totals(seg)
     assert sum(before[c] for c in STORE_CALLS[1:]) == 5
     assert all(before[c] == 5 for c in FALLBACKS)
+    claims = []
     for i in range(5):
-        assert await timed(fleet, cfg, f"open-{i}") == Admit(None)
+        claims.append(promote_only(await timed(fleet, cfg, f"open-{i}"), f"open-{i}"))
         clock.advance(1)
     after = totals(seg)
     assert all(after[c] == before[c] for c in STORE_CALLS)
     assert all(after[c] == 10 for c in FALLBACKS)
     assert after[Counter.BREAKER_TO_OPEN] == 1
+    return claims
 
 
 async def probe_closes(fleet: Fleet, cfg: Config, server: RedisServer, clock: FakeClock) -> None:
@@ -534,6 +546,36 @@ def test_stopped_server_costs_the_budget_and_opens_the_breaker(redis_server: Red
         assert counted[Counter.BREAKER_TO_OPEN] == 1
         assert counted[Counter.BREAKER_TO_PROBING] == 1
         assert counted[Counter.BREAKER_TO_CLOSED] == 1
+
+
+def test_hooks_stored_while_the_breaker_was_open_join_the_fleet_window(
+    redis_server: RedisServer,
+) -> None:
+    """No call is made while the breaker is open, yet every hook stored meanwhile is
+    promoted once Redis answers again: a resend of its event, to any host, is then a
+    duplicate of it and not a second copy. One that was not stored queues nothing: there
+    is nothing in Redis to release."""
+    with segments(1) as (seg,):
+        clock = FakeClock()
+
+        async def body() -> None:
+            async with breaker_fleets(redis_server, seg, clock) as (cfg, fast, patient):
+                with stopped(redis_server.pid):
+                    claims = await fail_until_open(fast, cfg, seg, clock)
+                    queued = seg.queue_depth()
+                    for i, claim in enumerate(claims[:4]):
+                        fast.settle(claim, Committed(f"hook-{i}"))
+                    fast.settle(claims[4], NotStored("store_unavailable"))
+                    assert seg.queue_depth() == queued + 4
+                await asyncio.sleep(0.3)
+                await probe_closes(patient, cfg, redis_server, clock)
+                await drain_all(cfg, seg)
+                for i in range(4):
+                    assert await admit(patient, cfg, f"open-{i}") == Duplicate(f"hook-{i}")
+                claim_of(await admit(patient, cfg, "open-4"))  # never stored: free to claim
+
+        run(body())
+        assert totals(seg)[Counter.SETTLE_DROPPED] == 0
 
 
 def test_every_store_call_is_timed_against_its_budget(redis_server: RedisServer) -> None:
@@ -596,12 +638,12 @@ def test_one_probe_at_a_time_and_a_failed_probe_reopens(redis_server: RedisServe
                     assert fast.state() == patient.state() == "probing"
                     before = totals(seg)
                     # one probe at a time: the other worker makes no call
-                    assert await timed(patient, cfg, "meanwhile") == Admit(None)
+                    promote_only(await timed(patient, cfg, "meanwhile"), "meanwhile")
                     assert all(totals(seg)[c] == before[c] for c in STORE_CALLS)
                     claim_of(await probe)  # timed out: answered node-local
                     assert fast.state() == "open"  # a failed probe opens it again
                     assert fast.degraded("rate_limit") and fast.degraded("dedupe")
-                    assert await timed(patient, cfg, "still-open") == Admit(None)
+                    promote_only(await timed(patient, cfg, "still-open"), "still-open")
                 await asyncio.sleep(0.3)
                 await probe_closes(patient, cfg, redis_server, clock)
 

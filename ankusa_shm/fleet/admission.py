@@ -5,14 +5,16 @@ GCRA table and nothing else. With a fleet scope it makes exactly one store call 
 carrying the tenant's charge and the dedupe claim together, under the hard budget
 ``fleet.timeout_ms``. A call that fails or runs out of budget -- or is not made because
 the shared breaker is open -- is answered from this host alone: its own buckets, and for
-dedupe ``Admit(None)`` so the store's local index decides. A limiter outage never refuses
-a hook.
+dedupe the store's local index. A limiter outage never refuses a hook.
 
-A claim that may exist in Redis is always handed back, even when its call timed out (the
-server may yet run it, after any stall): settling it then promotes or releases what is
-there, and a no-op costs nothing. Settling is a push onto the settle queue in the segment
-(``settle.Settler``); the drainer process delivers it. Nothing here takes a lock or sends
-a message to another process.
+A keyed hook is always admitted with its claim, to be settled once its commit is known.
+A claim that may exist in Redis is handed back even when its call timed out (the server
+may yet run it, after any stall): settling it promotes or releases what is there, and a
+no-op costs nothing. A hook admitted while the breaker is open made no call and claims
+nothing, but once stored its promote (sent when Redis answers again) puts it in the
+fleet's dedupe window all the same. Settling is a push onto the settle queue in the
+segment (``settle.Settler``); the drainer process delivers it. Nothing here takes a lock
+or sends a message to another process.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from ankusa_shm.config import Config, Source
 from ankusa_shm.fleet import redis_store
 from ankusa_shm.fleet.redis_client import RedisError
 from ankusa_shm.fleet.redis_store import RedisStore
-from ankusa_shm.fleet.settle import Claim, Settler
+from ankusa_shm.fleet.settle import NO_TOKEN, Claim, Settler
 from ankusa_shm.hooks import CommitResult, Envelope
 from ankusa_shm.limits import Limit
 from ankusa_shm.shm.breaker import Breaker, Permit, Policy
@@ -147,7 +149,8 @@ class Fleet:
                 return self._tally(answer)
             reason = "the last fleet store call failed"  # the claim's moment stays unknown
         else:
-            claim = None  # no call was made: nothing can have been claimed
+            if claim is not None:  # no call: nothing is claimed, but a promote will be due
+                claim = Claim(claim.key, NO_TOKEN, claim.ttl_ms)
             reason = "the fleet store breaker is open"
         self._fall_back(reason, now_ms)
         return self._tally(self._take_local(source.tenant, limit, now, claim))
@@ -173,7 +176,7 @@ class Fleet:
         for tenant, source, key, hook_id, expires_ms in hooks:
             left = expires_ms - wall_ms
             if left > 0:
-                claim = Claim(self._store.dedupe_key(tenant, source, key), bytes(16), left)
+                claim = Claim(self._store.dedupe_key(tenant, source, key), NO_TOKEN, left)
                 self._settler.promote(claim, hook_id)
                 n += 1
         return n

@@ -22,6 +22,7 @@ from ankusa_shm.shm.settle_queue import Op, Pushed, Record, RecordTooLarge, Sett
 log = logging.getLogger("ankusa_shm.fleet")
 
 UNKNOWN = 0
+NO_TOKEN = bytes(16)  # a claim no call made: nothing to release, only a promote to send
 
 
 @dataclass(slots=True)
@@ -33,7 +34,12 @@ class Claim:
     ``claimed_ms`` is the latest moment (this host's monotonic ms) at which the store can
     have written the claim: when its call was answered. A call that timed out or failed
     may still run on the server after any stall, so its claim's moment is ``UNKNOWN`` and
-    its release is never taken for expired."""
+    its release is never taken for expired.
+
+    A hook admitted with no call at all (the breaker open) has a claim too, with
+    ``NO_TOKEN``: nothing of it is in Redis to release, but once it is stored its promote
+    puts it in the fleet's dedupe window when Redis answers again, so a resend of the same
+    event to another host is a duplicate there, not a second copy."""
 
     key: bytes
     token: bytes
@@ -64,7 +70,7 @@ class Settler:
             self._push(Op.PROMOTE, claim, hook_id.encode())
 
     def release(self, claim: Claim | None) -> None:
-        if claim is not None:
+        if claim is not None and claim.token != NO_TOKEN:
             self._push(Op.RELEASE, claim, b"")
 
     def _push(self, op: Op, claim: Claim, hook_id: bytes) -> None:
