@@ -30,6 +30,23 @@ def test_flags_per_kind(seg: Segment) -> None:
         d.is_set("nonsense")
 
 
+def test_clearing_says_whether_a_warning_was_logged(seg: Segment) -> None:
+    """Only the process that clears a flag someone warned about is told to say it is back:
+    one line each way, however often the flag flaps within the minute."""
+    d = Degraded(seg.view, seg.layout)
+    assert d.clear("dedupe") is False  # already off
+    d.set("dedupe", True)
+    assert d.clear("dedupe") is False  # on, but nobody warned
+    d.set("dedupe", True)
+    assert d.claim_warning("dedupe", T0) is True
+    assert d.is_set("dedupe") and d.set("dedupe", True) is False
+    assert d.clear("dedupe") is True
+    assert d.clear("dedupe") is False and not d.is_set("dedupe")
+    d.set("dedupe", True)  # flapping within the minute: no warning, so no "back" either
+    assert d.claim_warning("dedupe", T0 + 1) is False
+    assert d.clear("dedupe") is False
+
+
 def test_warning_at_most_once_a_minute(seg: Segment) -> None:
     d = Degraded(seg.view, seg.layout)
     assert d.claim_warning("dedupe", T0) is True

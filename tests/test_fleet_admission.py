@@ -37,7 +37,7 @@ from fleet_helpers import (
     total,
     totals,
 )
-from redis_server import RedisServer
+from redis_server import RedisServer, free_port
 
 from ankusa_shm import config
 from ankusa_shm.config import Config
@@ -816,6 +816,34 @@ def test_degraded_warning_once_per_host(redis_server: RedisServer, tmp_path: Pat
         for kind in ("rate_limit", "dedupe"):
             assert len([ln for ln in lines if re.search(rf"\b{kind}\b", ln)]) == 1, lines
         assert all(" WARNING " in ln for ln in lines)
+        assert all("had no answer within 50 ms" in ln for ln in lines), lines
+
+        # Back: the process whose call clears a flag that was warned about says so, once
+        # per kind, and the calls after it are silent.
+        async def answered(w: Worker) -> list[Admitted]:
+            return [await w.admit(f"w{w.index}-back-{i}") for i in range(5)]
+
+        answers = run_workers([Job(cfg, answered, log) for log in logs])
+        assert all(isinstance(a, Admit) for got in answers for a in got)
+        lines = [ln for log in logs for ln in log.read_text().splitlines() if " again" in ln]
+        for kind in ("rate_limit", "dedupe"):
+            assert len([ln for ln in lines if re.search(rf"\b{kind}\b", ln)]) == 1, lines
+        assert all(" INFO " in ln and "answers again" in ln for ln in lines)
+
+
+def test_the_warning_says_why_the_call_failed(tmp_path: Path) -> None:
+    """A store that refuses the connection is named with the reason, not only "failed"."""
+    with segments(1) as (seg,):
+        cfg = fleet_config(f"redis://127.0.0.1:{free_port()}", bare(seg), timeout_ms=200)
+
+        async def one(w: Worker) -> Admitted:
+            return await w.admit("k")
+
+        log = tmp_path / "worker.log"
+        (answer,) = run_workers([Job(cfg, one, log)], warm=False)
+        claim_of(answer)  # answered node-local
+        lines = [ln for ln in log.read_text().splitlines() if "node-local" in ln]
+        assert lines and all("call failed (" in ln and "cannot connect" in ln for ln in lines)
 
 
 def test_flushed_script_cache_is_reloaded_once_per_burst(redis_server: RedisServer) -> None:

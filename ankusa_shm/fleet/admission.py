@@ -99,6 +99,8 @@ class Fleet:
         self._budget_s = f.timeout_ms / 1000
         self._deadline_s = f.call_deadline_s
         self._pending_ttl_ms = f.pending_ttl_ms
+        self._timeout_ms = f.timeout_ms
+        self._failure: BaseException = TimeoutError()  # why the last failed call failed
         self._clock = clock
         self._row = slot.counters
         # How long each store call took, against the budget it had: kept with the
@@ -147,12 +149,12 @@ class Fleet:
             answer = await self._ask_store(permit, source.tenant, limit, claim, now)
             if answer is not None:
                 return self._tally(answer)
-            reason = "the last fleet store call failed"  # the claim's moment stays unknown
+            failed: BaseException | None = self._failure  # the claim's moment stays unknown
         else:
             if claim is not None:  # no call: nothing is claimed, but a promote will be due
                 claim = Claim(claim.key, NO_TOKEN, claim.ttl_ms)
-            reason = "the fleet store breaker is open"
-        self._fall_back(reason, now_ms)
+            failed = None
+        self._fall_back(failed, now_ms)
         return self._tally(self._take_local(source.tenant, limit, now, claim))
 
     def settle(self, claim: Claim | None, result: CommitResult) -> None:
@@ -234,10 +236,10 @@ class Fleet:
                 time.monotonic() + self._deadline_s,
             )
             outcome = Counter.STORE_OK
-        except TimeoutError:
-            outcome = Counter.STORE_TIMEOUT
-        except RedisError:
-            outcome = Counter.STORE_ERROR
+        except TimeoutError as e:
+            outcome, self._failure = Counter.STORE_TIMEOUT, e
+        except RedisError as e:
+            outcome, self._failure = Counter.STORE_ERROR, e
         ended = self._clock()
         self._row.add(outcome)
         if self._histograms is not None:
@@ -253,7 +255,8 @@ class Fleet:
             claim = Claim(claim.key, claim.token, claim.ttl_ms, ended // 1_000_000)
         if self._breaker.closed():  # a late success while open changes nothing
             for kind in self._kinds:
-                self._degraded.set(kind, False)
+                if self._degraded.clear(kind):
+                    log.info("the fleet store answers again: answering %s fleet-wide", kind)
         if verdict == redis_store.DUPLICATE:
             assert isinstance(value, bytes)
             return Duplicate(value.decode())
@@ -273,12 +276,21 @@ class Fleet:
             return RateLimited(wait)
         return Admit(claim)
 
-    def _fall_back(self, reason: str, now_ms: int) -> None:
+    def _fall_back(self, failed: BaseException | None, now_ms: int) -> None:
+        """Count the hook as answered node-local; ``failed`` is why its call failed, None
+        if the breaker let none be made."""
         for kind in self._kinds:
             self._row.add(_FALLBACK[kind])
             self._degraded.set(kind, True)
             if self._degraded.claim_warning(kind, now_ms):
-                log.warning("%s: answering %s node-local on this host", reason, kind)
+                log.warning("%s: answering %s node-local on this host", self._why(failed), kind)
+
+    def _why(self, failed: BaseException | None) -> str:
+        if failed is None:
+            return "the fleet store breaker is open"
+        if isinstance(failed, TimeoutError):
+            return f"the last fleet store call had no answer within {self._timeout_ms} ms"
+        return f"the last fleet store call failed ({failed})"
 
     def _tally(self, result: Admitted) -> Admitted:
         self._row.add(_TALLY[type(result)])
