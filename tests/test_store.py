@@ -202,6 +202,24 @@ def test_commit_then_read_back_intact(tmp_path: Path) -> None:
     assert readers.count(cfg.path) == 1
 
 
+def test_a_new_store_is_readable_by_its_owner_alone(tmp_path: Path) -> None:
+    """Its files hold every hook's body and headers: 0600 whatever the umask lets through
+    (systemd's UMask=0077 is not there when it is run by hand)."""
+    cfg = store_cfg(tmp_path)
+    old = os.umask(0o022)
+    try:
+
+        async def body() -> None:
+            async with started(cfg) as w:
+                await w.commit(hook())
+                modes = {s: os.stat(cfg.path + s).st_mode & 0o777 for s in ("", "-wal", "-shm")}
+                assert modes == {"": 0o600, "-wal": 0o600, "-shm": 0o600}
+
+        run(body)
+    finally:
+        os.umask(old)
+
+
 def test_same_key_is_already_stored_and_not_inserted(tmp_path: Path) -> None:
     cfg = store_cfg(tmp_path)
     first, again, other_source = hook(b"k"), hook(b"k"), hook(b"k", source="stripe")

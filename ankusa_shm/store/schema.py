@@ -14,6 +14,7 @@ letting go of the lock (see ``writer``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 from pathlib import Path
@@ -159,6 +160,7 @@ def open_writer(
     names the file; nothing is left open."""
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
+        _create_private(path)
         conn = connect(
             path, durability, busy_timeout_ms, autocheckpoint=False, any_thread=any_thread
         )
@@ -174,6 +176,13 @@ def open_writer(
             raise StoreError(f"{path}: cannot open: {e}") from None
         raise
     return conn
+
+
+def _create_private(path: str | Path) -> None:
+    """A new store's file, empty and readable by its owner alone: it holds every hook's
+    body and headers, and SQLite gives its log and shm index the database file's mode."""
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
 
 
 def connect_ro(
