@@ -210,6 +210,18 @@ def test_a_worker_that_cannot_boot_stops_the_supervisor(
     assert "cannot start" in log and log.count("worker ") < 10  # no respawn loop
 
 
+def test_a_second_service_on_the_same_port_is_refused(make: list[Service], tmp_path: Path) -> None:
+    """Another segment and admin port, the same hook port: SO_REUSEPORT alone would let
+    both listen and split the hooks between them without a word."""
+    first = service(make, tmp_path / "first").start()
+    second = service(make, tmp_path / "second", port=first.port)
+    with pytest.raises(AssertionError, match="service exited 2"):
+        second.start()
+    assert f"cannot listen on 127.0.0.1:{first.port}: Address already in use" in second.log()
+    body = b"{}"
+    assert first.post("github", body, signed(body)).status == 201
+
+
 def test_hup_applies_a_new_limit_without_refusing_a_connection(
     make: list[Service], tmp_path: Path
 ) -> None:

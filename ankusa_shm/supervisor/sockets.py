@@ -10,6 +10,10 @@ on one of two workers, half the throughput of an even split). A lane's sockets s
 open in the supervisor while its worker is respawned or replaced, so connections
 queued for it wait instead of being refused. Sockets from systemd are one per address
 and are shared by every lane.
+
+``SO_REUSEPORT`` would as gladly share a port with any other process of the same user:
+a second service started on the same address would take half of the hooks, silently.
+So each address is first bound once without it, which fails if anyone listens there.
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ class Listeners:
         self._backlog = backlog
         self._shared = from_systemd()
         self._lanes: dict[int, list[socket.socket]] = {}
+        if self._shared is None:
+            for s in bind(addresses, backlog=0):  # in use by anyone: BindError
+                s.close()
         self.lane(0)  # bind now: a port in use is an error at start, not at a respawn
 
     def lane(self, i: int) -> list[socket.socket]:
@@ -68,6 +75,7 @@ class Listeners:
 
 
 def bind(addresses: list[str], backlog: int, reuse_port: bool = False) -> list[socket.socket]:
+    """Bound sockets, listening unless ``backlog`` is 0."""
     socks: list[socket.socket] = []
     try:
         for address in addresses:
@@ -82,7 +90,8 @@ def bind(addresses: list[str], backlog: int, reuse_port: bool = False) -> list[s
                 sock.bind((host, port))
             except OSError as e:
                 raise BindError(f"cannot listen on {address}: {e.strerror}") from None
-            sock.listen(backlog)
+            if backlog:
+                sock.listen(backlog)
             sock.setblocking(False)
     except BaseException:
         for s in socks:
