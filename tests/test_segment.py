@@ -268,6 +268,17 @@ def test_open_for_owner_replaces_other_params(
     assert "3 queued settle operations lost" in caplog.text
 
 
+def test_a_re_attached_segment_is_made_0600_again(
+    seg: Segment, seg_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    seg.view.store(L.H_OWNER_PID, dead_pid())
+    os.chmod(f"/dev/shm/{seg_name}", 0o644)
+    with caplog.at_level(logging.WARNING, logger="ankusa_shm.segment"):
+        Segment.open_for_owner(seg_name, seg.header().params).close()
+    assert os.stat(f"/dev/shm/{seg_name}").st_mode & 0o777 == 0o600
+    assert "was mode 0644; made 0600" in caplog.text
+
+
 def test_open_for_owner_replaces_a_foreign_segment(seg_name: str) -> None:
     _raw_segment(seg_name, secrets.token_bytes(8192))
     with Segment.open_for_owner(seg_name, SMALL) as s:

@@ -213,6 +213,7 @@ class Segment:
                 lost,
             )
         seg._take_ownership()
+        _make_private(path)
         log.info(
             "re-attached segment %s; %d queued settle operations kept", path, seg.queue_depth()
         )
@@ -308,6 +309,19 @@ _BUILD_PARAMS = {
     "statuses": "status columns",
     "histogram_words": "histogram words",
 }
+
+
+def _make_private(path: str) -> None:
+    """0600 again, for a segment re-attached with a wider mode (made by an older build, or
+    changed by hand): what it holds is the service's alone."""
+    shm = posix_ipc.SharedMemory(path)
+    try:
+        mode = os.fstat(shm.fd).st_mode & 0o777
+        if mode != 0o600:
+            os.fchmod(shm.fd, 0o600)
+            log.warning("segment %s was mode %04o; made 0600", path, mode)
+    finally:
+        shm.close_fd()
 
 
 def _read_params(v: AtomicView) -> L.Params:
