@@ -4,6 +4,8 @@ away, drops what has certainly expired, drains on SIGTERM; and the metrics it fe
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
 import signal
 import time
@@ -211,6 +213,41 @@ def test_drainer_keeps_its_batch_while_redis_is_down(redis_server: RedisServer) 
         with redis_server.client() as r:
             values = committed_values(r, [dd_key(f"k{i}") for i in range(5)])
         assert values == [committed(i) for i in range(5)]
+
+
+def test_a_failing_delivery_says_what_a_full_queue_dropped(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """During a long outage the queue fills (every hook stored meanwhile queues a promote)
+    and the operations after it are dropped: the delivery warning says how many."""
+    with segments(1, queue_capacity=16) as (seg,):
+        cfg = fleet_config(redis_server.url, bare(seg), settle_timeout_ms=200)
+
+        async def body() -> None:
+            async with open_fleet(cfg, seg) as fleet:
+                claim = claim_of(await admit(fleet, cfg, "k"))
+                redis_server.kill()
+                for i in range(16 + 3):
+                    fleet.promote(claim, f"hook-{i}")
+            assert seg.queue_depth() == 16
+            slot = procs.claim(seg.view, seg.layout, Role.DRAINER)
+            store = RedisStore.from_config(cfg.fleet)
+            stop = asyncio.Event()
+            task = asyncio.create_task(Drainer(cfg, seg, slot, store).run(stop))
+            try:
+                await await_until(lambda: totals(seg)[Counter.DRAIN_ERRORS] >= 1, "a failure")
+            finally:
+                stop.set()
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                await store.close()
+                slot.release()
+
+        with caplog.at_level(logging.WARNING, logger="ankusa_shm.drainer"):
+            run(body())
+        assert totals(seg)[Counter.SETTLE_DROPPED] == 3
+        assert "16 queued, 3 dropped so far for a full queue" in caplog.text
 
 
 def test_an_idle_drainer_sleeps_until_an_operation_is_queued(redis_server: RedisServer) -> None:

@@ -38,7 +38,7 @@ from ankusa_shm.fleet.redis_client import RedisError
 from ankusa_shm.fleet.redis_store import RedisStore
 from ankusa_shm.fleet.settle import UNKNOWN
 from ankusa_shm.shm import procs
-from ankusa_shm.shm.counters import Counter
+from ankusa_shm.shm.counters import Counter, totals
 from ankusa_shm.shm.degraded import WARN_EVERY_MS
 from ankusa_shm.shm.procs import ProcessSlot, Role
 from ankusa_shm.shm.segment import Segment
@@ -62,6 +62,7 @@ class Drainer:
     ) -> None:
         f = cfg.fleet
         self._queue = SettleQueue(seg.view, seg.buf, seg.layout)
+        self._seg = seg
         self._slot = slot
         self._row = slot.counters
         self._store = store
@@ -151,10 +152,12 @@ class Drainer:
                 if self._warned_ms is None or now_ms - self._warned_ms >= WARN_EVERY_MS:
                     self._warned_ms = now_ms
                     log.warning(
-                        "settle delivery failed (%s); keeping %d operations, %d queued",
+                        "settle delivery failed (%s); keeping %d operations, %d queued, %d"
+                        " dropped so far for a full queue",
                         str(e) or type(e).__name__,
                         len(batch.records),
                         self._queue.depth(),
+                        totals(self._seg.view, self._seg.layout)[Counter.SETTLE_DROPPED],
                     )
                 return None
         promotes = sum(1 for r in live if r.op is Op.PROMOTE)
