@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import socket
 import time
 import uuid
@@ -56,6 +57,18 @@ def raw(svc: Service, data: bytes, wait_s: float = 5.0) -> bytes:
         while chunk := s.recv(65536):
             out += chunk
         return out
+
+
+def signed_request(body: bytes, delivery: str, head: str = "") -> bytes:
+    """A signed POST of ``body`` to the github source, with ``head``'s lines in its head."""
+    fields = "".join(f"{k}: {v}\r\n" for k, v in signed(body, delivery).items())
+    return (
+        f"POST /hooks/github HTTP/1.1\r\n{head}content-length: {len(body)}\r\n{fields}\r\n"
+    ).encode() + body
+
+
+def statuses(out: bytes) -> list[int]:
+    return [int(s) for s in re.findall(rb"HTTP/1\.[01] (\d{3}) ", out)]
 
 
 def test_a_signed_hook_is_stored_and_its_resend_is_a_duplicate(svc: Service) -> None:
@@ -233,3 +246,57 @@ def test_expect_100_continue_gets_its_interim_answer(svc: Service) -> None:
         assert s.recv(65536) == b"HTTP/1.1 100 Continue\r\n\r\n"  # before any body byte
         s.sendall(body)
         assert s.recv(65536).startswith(b"HTTP/1.1 201 ")
+
+
+def test_requests_before_a_malformed_one_are_answered_before_its_400(svc: Service) -> None:
+    """A client pairs answers with its requests by their order (RFC 9112 9.3.2): the
+    requests queued before bytes that do not parse are answered first, then the 400; the
+    request after them is not read. Whether the first is still queued or in its commit."""
+    bad = b"XXXX\r\n\r\n"
+    body = b'{"n":1}'
+    pipelined = [signed_request(body, f"before-bad-{i}") for i in range(3)]
+    out = raw(svc, pipelined[0] + pipelined[1] + bad + pipelined[2])
+    assert statuses(out) == [201, 201, 400] and out.endswith(b'{"error":"bad_request"}'), out
+    assert readers.count(svc.store_path) == 2
+    for i, pause in enumerate([0.0, 0.0005, 0.002, 0.01]):  # the 400 as the hook commits
+        with socket.create_connection(("127.0.0.1", svc.port), timeout=5) as s:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s.sendall(signed_request(body, f"racing-bad-{i}"))
+            time.sleep(pause)
+            s.sendall(bad)
+            out = b""
+            while chunk := s.recv(65536):
+                out += chunk
+        assert statuses(out) == [201, 400], (pause, out)
+    assert readers.count(svc.store_path) == 6
+
+
+def test_a_connection_refused_behind_a_request_does_not_hold_up_a_graceful_stop(
+    tmp_path: Path,
+) -> None:
+    """After its answers and its 400, a connection whose client keeps its socket open is
+    closed by the server within ``LINGER_S``; a graceful stop does not wait on it."""
+    svc = Service(tmp_path, GITHUB, server={"graceful_timeout_s": 8}, env={"GH_SECRET": SECRET})
+    try:
+        svc.start()
+        body = b'{"n":1}'
+        held, answers = [], []
+        for i in range(2):
+            s = socket.create_connection(("127.0.0.1", svc.port), timeout=5)
+            s.sendall(signed_request(body, f"held-{i}") + b"XXXX\r\n\r\n")
+            out = b""
+            while chunk := s.recv(65536):  # until the server's end of its answers
+                out += chunk
+            answers.append(statuses(out))
+            held.append(s)
+        started = time.monotonic()
+        svc.send(signal.SIGTERM)
+        assert svc.proc is not None and svc.proc.wait(30) == 0
+        assert time.monotonic() - started < 5.0
+        assert "graceful timeout" not in svc.log()
+        assert answers == [[201, 400]] * 2
+        assert readers.count(svc.store_path) == 2
+        for s in held:
+            s.close()
+    finally:
+        svc.close()

@@ -8,8 +8,11 @@ while the transport cannot write, so a client that sends without reading cannot 
 our memory. Limits: a request line plus headers larger than ``max_header_bytes`` is 431;
 a body larger than ``max_body_bytes`` is 413 as soon as the ``Content-Length`` (or the
 chunks seen so far) says so, without reading the rest; bytes that do not parse are 400.
-Each ends the connection. Deadlines (headers, body, idle keep-alive) are checked by one
-sweep per server each ``SWEEP_S`` rather than a timer per request.
+Each ends the connection: nothing more is read, and the requests queued before it are
+answered first, in order (a client pairs answers with requests by their order, RFC 9112
+9.3.2); none is cancelled, since a hook being handled may already be committed. Deadlines
+(headers, body, idle keep-alive) are checked by one sweep per server each ``SWEEP_S``
+rather than a timer per request.
 """
 
 from __future__ import annotations
@@ -129,6 +132,9 @@ class Connection(asyncio.Protocol):
         self._reading = True
         self._closing = False  # no more requests are read: answering what is queued
         self._lingering = False
+        # an error answer kept until the answers queued before it are written: the answer,
+        # and the path and first byte of its request, for the observer
+        self._refusal: tuple[Response, bytes, int] | None = None
         self._made_at = time.monotonic()
         # the request being parsed
         self._in_request = False
@@ -154,8 +160,12 @@ class Connection(asyncio.Protocol):
         self._server.connections.discard(self)
         self._transport = None
         self._can_write.set()
-        if self._task is not None:
-            self._task.cancel()
+        self._pipeline.clear()
+        # No answer can reach its client now. Cleared here: a task cancelled before its
+        # first step never runs its own ``finally``.
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
 
     def data_received(self, data: bytes) -> None:
         if self._closing:
@@ -170,6 +180,7 @@ class Connection(asyncio.Protocol):
                 log.error("request parser callback failed: %r", cause)
                 self._reject(500, "internal_error")
         except httptools.HttpParserUpgrade:
+            self._pipeline.pop()  # httptools completed it, without its body, to stop after it
             self._reject(400, "upgrade_not_supported")
         except httptools.HttpParserError:
             if self._closing:
@@ -294,27 +305,34 @@ class Connection(asyncio.Protocol):
             self._task = None
         if self._transport is None:
             return
-        if self._closing:
+        if self._refusal is not None:
+            self._refuse()
+        elif self._closing:
             self._transport.close()
         elif not self._in_request:
             self._expect_idle()
 
     def _reject(self, status: int, error: str) -> None:
-        """Answer an unreadable request and end the connection. Requests already queued
-        are dropped unanswered: the client cannot tell which of its bytes we understood."""
+        """Answer an unreadable request and end the connection: nothing more is read, and
+        the answer waits for those of the requests queued before it."""
         self._closing = True
-        self._lingering = True
-        self._pipeline.clear()
-        if self._task is not None:
-            self._task.cancel()
-        t = self._transport
-        if t is None:
+        path = self._url.partition(b"?")[0] if self._in_request else b""
+        started_ns = self._started_ns if self._in_request else time.monotonic_ns()
+        self._refusal = (Response(status, error_body(error)), path, started_ns)
+        if self._task is None:
+            self._refuse()
+
+    def _refuse(self) -> None:
+        """Write the answer ``_reject`` kept, and close our side."""
+        t, refusal = self._transport, self._refusal
+        if t is None or refusal is None:
             return
-        observe = self._server.observe
-        if observe is not None:
-            path = self._url.partition(b"?")[0] if self._in_request else b""
-            observe(path, status, self._started_ns if self._in_request else time.monotonic_ns())
-        t.write(encode(Response(status, error_body(error)), keep_alive=False))
+        self._refusal = None
+        self._lingering = True
+        resp, path, started_ns = refusal
+        if self._server.observe is not None:
+            self._server.observe(path, resp.status, started_ns)
+        t.write(encode(resp, keep_alive=False))
         # Close our side but keep reading (and discarding) for a moment, so the client
         # reads the answer instead of a reset caused by its unread bytes.
         if t.can_write_eof():
