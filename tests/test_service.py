@@ -300,3 +300,31 @@ def test_a_connection_refused_behind_a_request_does_not_hold_up_a_graceful_stop(
             s.close()
     finally:
         svc.close()
+
+
+def test_a_request_asking_to_upgrade_is_answered_over_http_1_1(svc: Service) -> None:
+    """What ``curl --http2`` sends to an http:// URL: the Upgrade is ignored (RFC 9110
+    7.8) and the request answered as if it had not asked, its body whole, whether framed by
+    length or in chunks, its 100 Continue sent once; the requests after it are read as
+    before. CONNECT is refused."""
+    h2c = "connection: Upgrade, HTTP2-Settings\r\nupgrade: h2c\r\nhttp2-settings: AAMAAABk\r\n"
+    bodies = [json.dumps({"upgrade": i}).encode() for i in range(3)]
+    fields = "".join(f"{k}: {v}\r\n" for k, v in signed(bodies[1], "h2c-1").items())
+    chunked = (
+        f"POST /hooks/github HTTP/1.1\r\n{h2c}{fields}transfer-encoding: chunked\r\n\r\n".encode()
+        + b"%x\r\n%s\r\n0\r\n\r\n" % (len(bodies[1]), bodies[1])
+    )
+    out = raw(
+        svc,
+        signed_request(bodies[0], "h2c-0", h2c + "expect: 100-continue\r\n")
+        + chunked
+        + signed_request(bodies[2], "h2c-2", "connection: close\r\n"),
+    )
+    assert statuses(out) == [100, 201, 201, 201], out
+    ids = re.findall(rb'"id":"([0-9a-f-]{36})"', out)
+    stored = [readers.get(svc.store_path, i.decode()) for i in ids]
+    assert [(h.body, h.event_key) for h in stored if h] == [
+        (b, f"h2c-{i}".encode()) for i, b in enumerate(bodies)
+    ]
+    out = raw(svc, b"CONNECT 127.0.0.1:22 HTTP/1.1\r\nhost: 127.0.0.1:22\r\n\r\n")
+    assert statuses(out) == [400] and b'{"error":"upgrade_not_supported"}' in out

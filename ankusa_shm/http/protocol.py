@@ -12,7 +12,8 @@ Each ends the connection: nothing more is read, and the requests queued before i
 answered first, in order (a client pairs answers with requests by their order, RFC 9112
 9.3.2); none is cancelled, since a hook being handled may already be committed. Deadlines
 (headers, body, idle keep-alive) are checked by one sweep per server each ``SWEEP_S``
-rather than a timer per request.
+rather than a timer per request. A request asking to switch protocols (``Upgrade: h2c``,
+as ``curl --http2`` sends) is answered over HTTP/1.1 as if it had not asked; CONNECT is 400.
 """
 
 from __future__ import annotations
@@ -168,8 +169,12 @@ class Connection(asyncio.Protocol):
             task.cancel()
 
     def data_received(self, data: bytes) -> None:
-        if self._closing:
-            return  # answered an error, or stopping: discard
+        rest: bytes | memoryview = data
+        while rest and not self._closing:  # once closing (an error, or stopping): discarded
+            rest = self._feed(rest)
+
+    def _feed(self, data: bytes | memoryview) -> bytes | memoryview:
+        """Parse ``data``; what is left to parse when a request asked to upgrade."""
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserCallbackError as e:
@@ -179,13 +184,31 @@ class Connection(asyncio.Protocol):
             else:
                 log.error("request parser callback failed: %r", cause)
                 self._reject(500, "internal_error")
-        except httptools.HttpParserUpgrade:
-            self._pipeline.pop()  # httptools completed it, without its body, to stop after it
-            self._reject(400, "upgrade_not_supported")
+        except httptools.HttpParserUpgrade as e:
+            head = self._without_upgrade()
+            if head:
+                self._feed(head)
+            return memoryview(data)[e.args[0] :]
         except httptools.HttpParserError:
-            if self._closing:
-                return  # bytes after a request that asked to close: ignored (RFC 9112 9.6)
-            self._reject(400, "bad_request")
+            if not self._closing:  # else bytes after a request that asked to close: ignored
+                self._reject(400, "bad_request")  # (RFC 9112 9.6)
+        return b""
+
+    def _without_upgrade(self) -> bytes:
+        """A request asked to switch protocols: it is answered over HTTP/1.1 as if it had
+        not asked (RFC 9110 7.8), a CONNECT refused. httptools completed it without its
+        body and stopped after its head: a new parser is to read that head again, without
+        the Upgrade field (returned), and then what followed it."""
+        req, _ = self._pipeline.pop()
+        if req.method == b"CONNECT":
+            self._reject(400, "upgrade_not_supported")
+            return b""
+        self._closing = False  # if it said it was the last: parsed again, it says so again
+        version = self._parser.get_http_version().encode()
+        head = [b"%s %s HTTP/%s\r\n" % (req.method, self._url, version)]
+        head += [n + b": " + v + b"\r\n" for n, v in self._raw_headers if n.lower() != b"upgrade"]
+        self._parser = httptools.HttpRequestParser(self)
+        return b"".join(head) + b"\r\n"
 
     def eof_received(self) -> bool | None:
         # A half-closed client may still read our answers to what it sent.
@@ -245,8 +268,13 @@ class Connection(asyncio.Protocol):
                     raise _Reject(413, "too_large")
             elif key == "expect":
                 self._expect_continue = text.lower() == "100-continue"
-        if self._expect_continue and self._transport is not None:
-            # curl and others wait for this (a second, with curl) before the body
+        # curl and others wait for this (a second, with curl) before the body. A request that
+        # asks to upgrade gets it when it is parsed again without asking (_without_upgrade).
+        if (
+            self._expect_continue
+            and self._transport is not None
+            and not self._parser.should_upgrade()
+        ):
             self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         self._deadline = time.monotonic() + self._limits.body_timeout_s
         self._deadline_error = "body_timeout"
