@@ -3,6 +3,7 @@ real sockets, the store read back from its SQLite file."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 import signal
@@ -328,3 +329,39 @@ def test_a_request_asking_to_upgrade_is_answered_over_http_1_1(svc: Service) -> 
     ]
     out = raw(svc, b"CONNECT 127.0.0.1:22 HTTP/1.1\r\nhost: 127.0.0.1:22\r\n\r\n")
     assert statuses(out) == [400] and b'{"error":"upgrade_not_supported"}' in out
+
+
+def test_a_transfer_coding_other_than_chunked_is_not_implemented(svc: Service) -> None:
+    """Chunked is the only transfer coding read (RFC 9112 6.1): another before it is 501
+    and the connection closed, not a body stored still coded. Framing that cannot be
+    trusted stays 400: chunked not last, twice, or with a Content-Length."""
+    body = b'{"coded":true}'
+    coded = gzip.compress(body)
+
+    def framed(*fields: str, payload: bytes = coded) -> bytes:
+        head = "".join(f"{k}: {v}\r\n" for k, v in signed(payload, "coded").items())
+        head += "".join(f"{f}\r\n" for f in fields)
+        chunks = b"%x\r\n%s\r\n0\r\n\r\n" % (len(payload), payload)
+        return f"POST /hooks/github HTTP/1.1\r\n{head}\r\n".encode() + chunks
+
+    for fields in [
+        ["transfer-encoding: gzip, chunked"],
+        ["transfer-encoding: GZIP , Chunked"],
+        ["transfer-encoding: gzip", "transfer-encoding: chunked"],
+        ["transfer-encoding: identity, chunked"],
+    ]:
+        out = raw(svc, framed(*fields) + signed_request(body, "after", "connection: close\r\n"))
+        assert statuses(out) == [501], (fields, out)
+        assert out.endswith(b'{"error":"not_implemented"}') and b"connection: close" in out
+    for fields in [
+        ["transfer-encoding: chunked, gzip"],
+        ["transfer-encoding: gzip"],
+        ["transfer-encoding: chunked", "transfer-encoding: chunked"],
+        ["transfer-encoding: chunked", f"content-length: {len(coded)}"],
+    ]:
+        out = raw(svc, framed(*fields))
+        assert statuses(out) == [400], (fields, out)
+    assert readers.count(svc.store_path) == 0
+    out = raw(svc, framed("transfer-encoding: Chunked", "connection: close", payload=body))
+    assert statuses(out) == [201], out
+    assert readers.count(svc.store_path) == 1

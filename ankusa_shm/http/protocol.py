@@ -7,7 +7,8 @@ burst is answered in the order it was sent. Reading pauses while the pipeline is
 while the transport cannot write, so a client that sends without reading cannot grow
 our memory. Limits: a request line plus headers larger than ``max_header_bytes`` is 431;
 a body larger than ``max_body_bytes`` is 413 as soon as the ``Content-Length`` (or the
-chunks seen so far) says so, without reading the rest; bytes that do not parse are 400.
+chunks seen so far) says so, without reading the rest; a transfer coding other than chunked
+is 501; bytes that do not parse are 400.
 Each ends the connection: nothing more is read, and the requests queued before it are
 answered first, in order (a client pairs answers with requests by their order, RFC 9112
 9.3.2); none is cancelled, since a hook being handled may already be committed. Deadlines
@@ -93,6 +94,17 @@ class _Reject(Exception):
     def __init__(self, status: int, error: str) -> None:
         self.status = status
         self.error = error
+
+
+def _check_coding(coding: str) -> None:
+    """Chunked is the only transfer coding we decode: another one is 501 (RFC 9112 6.1),
+    not a body stored still coded; when chunked is not the last, the body's length cannot
+    be known, 400 (6.3). Every field's value, joined by commas."""
+    codings = [c for c in (c.strip().lower() for c in coding.split(",")) if c]
+    if codings[-1:] != ["chunked"]:
+        raise _Reject(400, "bad_request")
+    if len(codings) > 1:
+        raise _Reject(501, "not_implemented")
 
 
 _STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in HTTPStatus}
@@ -262,12 +274,17 @@ class Connection(asyncio.Protocol):
             (name.decode("latin-1").lower(), value.decode("latin-1"))
             for name, value in self._raw_headers
         ]
+        coding = ""
         for key, text in headers:
             if key == "content-length":
                 if text.isdigit() and int(text) > self._limits.max_body_bytes:
                     raise _Reject(413, "too_large")
             elif key == "expect":
                 self._expect_continue = text.lower() == "100-continue"
+            elif key == "transfer-encoding":
+                coding = f"{coding},{text}" if coding else text
+        if coding and coding.lower() != "chunked":
+            _check_coding(coding)
         # curl and others wait for this (a second, with curl) before the body. A request that
         # asks to upgrade gets it when it is parsed again without asking (_without_upgrade).
         if (
