@@ -365,3 +365,42 @@ def test_a_transfer_coding_other_than_chunked_is_not_implemented(svc: Service) -
     out = raw(svc, framed("transfer-encoding: Chunked", "connection: close", payload=body))
     assert statuses(out) == [201], out
     assert readers.count(svc.store_path) == 1
+
+
+def test_a_client_that_does_not_read_its_answers_is_dropped(svc: Service) -> None:
+    """A client that pipelines requests and never reads our answers holds its connection
+    for ``body_timeout_s`` (0.5 s here) once they stop fitting, then it is reset; the
+    requests it queued that were not begun are dropped (no answer: it sends them again)."""
+    one = b"GET /nope HTTP/1.1\r\nhost: x\r\n\r\n"
+    blob = one * 2000
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", svc.port))
+        s.setblocking(False)
+        sent, stalled, out, ended = 0, 0.0, b"", ""
+        while not stalled or time.monotonic() - stalled < 0.3:  # until it stops reading
+            try:
+                sent += s.send(blob[sent % len(blob) :])
+                stalled = 0.0
+            except BlockingIOError:
+                stalled = stalled or time.monotonic()
+                time.sleep(0.02)
+            except (ConnectionResetError, BrokenPipeError):
+                break
+        time.sleep(2.0)
+        deadline = time.monotonic() + 5.0
+        while not ended and time.monotonic() < deadline:
+            s.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                chunk = s.recv(65536)
+            except TimeoutError:
+                continue
+            except ConnectionResetError:
+                ended = "reset"
+            else:
+                ended = "" if chunk else "closed"
+                out += chunk
+    assert ended, f"still answering after 5 s: {out.count(b'HTTP/1.1 404 ')} answers"
+    assert out.count(b"HTTP/1.1 404 ") < sent // len(one)
+    body = b'{"after":1}'
+    assert svc.post("github", body, signed(body)).status == 201

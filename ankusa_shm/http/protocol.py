@@ -7,14 +7,15 @@ burst is answered in the order it was sent. Reading pauses while the pipeline is
 while the transport cannot write, so a client that sends without reading cannot grow
 our memory. Limits: a request line plus headers larger than ``max_header_bytes`` is 431;
 a body larger than ``max_body_bytes`` is 413 as soon as the ``Content-Length`` (or the
-chunks seen so far) says so, without reading the rest; a transfer coding other than chunked
-is 501; bytes that do not parse are 400.
-Each ends the connection: nothing more is read, and the requests queued before it are
-answered first, in order (a client pairs answers with requests by their order, RFC 9112
-9.3.2); none is cancelled, since a hook being handled may already be committed. Deadlines
-(headers, body, idle keep-alive) are checked by one sweep per server each ``SWEEP_S``
-rather than a timer per request. A request asking to switch protocols (``Upgrade: h2c``,
-as ``curl --http2`` sends) is answered over HTTP/1.1 as if it had not asked; CONNECT is 400.
+chunks seen so far) says so, without reading the rest; a transfer coding other than
+chunked is 501; bytes that do not parse are 400. Each ends the connection: nothing more is
+read, and the requests queued before it are answered first, in order (a client pairs
+answers with requests by their order, RFC 9112 9.3.2); none is cancelled, since a hook
+being handled may already be committed. Deadlines (headers, body, idle keep-alive, and
+answers left unread, which bound what a client can make us hold) are checked by one sweep
+per server each ``SWEEP_S`` rather than a timer per request. A request asking to switch
+protocols (``Upgrade: h2c``, as ``curl --http2`` sends) is answered over HTTP/1.1 as if
+it had not asked; CONNECT is 400.
 """
 
 from __future__ import annotations
@@ -161,6 +162,7 @@ class Connection(asyncio.Protocol):
         self._body_bytes = 0
         self._deadline = 0.0  # monotonic seconds; 0 when none applies
         self._deadline_error = ""
+        self._write_deadline = 0.0  # while our answers do not fit: when the client is dropped
 
     # -- asyncio.Protocol ---------------------------------------------------------------
 
@@ -232,9 +234,11 @@ class Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._can_write.clear()
+        self._write_deadline = time.monotonic() + self._limits.body_timeout_s
 
     def resume_writing(self) -> None:
         self._can_write.set()
+        self._write_deadline = 0.0
 
     # -- httptools callbacks ------------------------------------------------------------
 
@@ -395,7 +399,15 @@ class Connection(asyncio.Protocol):
 
     def check_deadline(self, now: float) -> None:
         """Called by the server's sweep. An idle connection past its keep-alive is closed
-        quietly; a request too slow in coming is answered 408 first."""
+        quietly; a request too slow in coming is answered 408 first. A client that leaves
+        our answers unread for ``body_timeout_s`` (as long as it may take to send a body)
+        is reset, and the requests it queued that were not begun are dropped: none was
+        answered, so its client sends them again."""
+        if self._write_deadline and now >= self._write_deadline:
+            self._pipeline.clear()
+            if self._transport is not None:
+                self._transport.abort()
+            return
         if not self._deadline or now < self._deadline or self._task is not None:
             return
         if self._deadline_error and not self._lingering:
