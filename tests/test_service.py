@@ -315,12 +315,14 @@ def test_a_request_asking_to_upgrade_is_answered_over_http_1_1(svc: Service) -> 
         f"POST /hooks/github HTTP/1.1\r\n{h2c}{fields}transfer-encoding: chunked\r\n\r\n".encode()
         + b"%x\r\n%s\r\n0\r\n\r\n" % (len(bodies[1]), bodies[1])
     )
-    out = raw(
-        svc,
-        signed_request(bodies[0], "h2c-0", h2c + "expect: 100-continue\r\n")
-        + chunked
-        + signed_request(bodies[2], "h2c-2", "connection: close\r\n"),
-    )
+    expecting = signed_request(bodies[0], "h2c-0", h2c + "expect: 100-continue\r\n")
+    with socket.create_connection(("127.0.0.1", svc.port), timeout=5) as s:
+        s.sendall(expecting[: -len(bodies[0])])  # its body once it is asked for
+        out = s.recv(65536)
+        assert out == b"HTTP/1.1 100 Continue\r\n\r\n"
+        s.sendall(bodies[0] + chunked + signed_request(bodies[2], "h2c-2", "connection: close\r\n"))
+        while chunk := s.recv(65536):
+            out += chunk
     assert statuses(out) == [100, 201, 201, 201], out
     ids = re.findall(rb'"id":"([0-9a-f-]{36})"', out)
     stored = [readers.get(svc.store_path, i.decode()) for i in ids]
@@ -404,3 +406,35 @@ def test_a_client_that_does_not_read_its_answers_is_dropped(svc: Service) -> Non
     assert out.count(b"HTTP/1.1 404 ") < sent // len(one)
     body = b'{"after":1}'
     assert svc.post("github", body, signed(body)).status == 201
+
+
+def test_100_continue_follows_earlier_answers_and_is_not_sent_to_http_1_0(svc: Service) -> None:
+    """The interim answer is written when its request is next to be answered, never
+    before the answers to requests pipelined ahead of it; an HTTP/1.0 client cannot know
+    it, so its expectation is ignored (RFC 9110 10.1.1)."""
+    body = b'{"expect":1}'
+    first = signed_request(body, "ahead")
+    expecting = signed_request(body, "expecting", "expect: 100-continue\r\n")
+    head, _, _ = expecting.partition(b"\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", svc.port), timeout=5) as s:
+        s.sendall(first + head + b"\r\n\r\n")
+        got = b""
+        while b"100 Continue" not in got:
+            got += s.recv(65536)
+        assert statuses(got) == [201, 100], got
+        s.sendall(body + signed_request(body, "last", "connection: close\r\n"))
+        while chunk := s.recv(65536):
+            got += chunk
+    assert statuses(got) == [201, 100, 201, 201], got
+    old = head.replace(b"HTTP/1.1", b"HTTP/1.0", 1).replace(b"expecting", b"old-client")
+    with socket.create_connection(("127.0.0.1", svc.port), timeout=5) as s:
+        s.sendall(old + b"\r\n\r\n")
+        s.settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            s.recv(65536)
+        s.settimeout(5)
+        s.sendall(body)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    assert statuses(got) == [201], got

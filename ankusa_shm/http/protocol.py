@@ -157,7 +157,7 @@ class Connection(asyncio.Protocol):
         self._raw_headers: list[tuple[bytes, bytes]] = []  # as parsed, until decoded at once
         self._headers: list[tuple[str, str]] = []
         self._header_bytes = 0
-        self._expect_continue = False
+        self._expect_continue = False  # its 100 Continue waits for earlier answers
         self._body: list[bytes] = []
         self._body_bytes = 0
         self._deadline = 0.0  # monotonic seconds; 0 when none applies
@@ -278,25 +278,26 @@ class Connection(asyncio.Protocol):
             (name.decode("latin-1").lower(), value.decode("latin-1"))
             for name, value in self._raw_headers
         ]
-        coding = ""
+        coding, expect = "", False
         for key, text in headers:
             if key == "content-length":
                 if text.isdigit() and int(text) > self._limits.max_body_bytes:
                     raise _Reject(413, "too_large")
             elif key == "expect":
-                self._expect_continue = text.lower() == "100-continue"
+                expect = text.lower() == "100-continue"
             elif key == "transfer-encoding":
                 coding = f"{coding},{text}" if coding else text
         if coding and coding.lower() != "chunked":
             _check_coding(coding)
-        # curl and others wait for this (a second, with curl) before the body. A request that
-        # asks to upgrade gets it when it is parsed again without asking (_without_upgrade).
-        if (
-            self._expect_continue
-            and self._transport is not None
-            and not self._parser.should_upgrade()
-        ):
-            self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        # curl and others wait for this (a second, with curl) before the body. Not to
+        # HTTP/1.0, which cannot know it (RFC 9110 10.1.1); not ahead of the answers owed
+        # before it; to a request that asks to upgrade, when it is parsed again without.
+        parser = self._parser
+        if expect and parser.get_http_version() == "1.1" and not parser.should_upgrade():
+            if self._task is None:
+                self._continue()
+            else:
+                self._expect_continue = True  # written by _answer once they are
         self._deadline = time.monotonic() + self._limits.body_timeout_s
         self._deadline_error = "body_timeout"
 
@@ -360,6 +361,13 @@ class Connection(asyncio.Protocol):
             self._transport.close()
         elif not self._in_request:
             self._expect_idle()
+        elif self._expect_continue:
+            self._continue()
+
+    def _continue(self) -> None:
+        self._expect_continue = False
+        if self._transport is not None:
+            self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def _reject(self, status: int, error: str) -> None:
         """Answer an unreadable request and end the connection: nothing more is read, and
