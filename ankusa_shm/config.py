@@ -129,7 +129,10 @@ class Server:
         10.0, "From a request's first byte to its last header.", between(0.1, 3_600)
     )
     body_timeout_s: float = setting(
-        30.0, "From a request's last header to its last body byte.", between(0.1, 3_600)
+        30.0,
+        "From a request's last header to its last body byte; also how long a client may "
+        "leave our answers unread before it is dropped.",
+        between(0.1, 3_600),
     )
     keepalive_timeout_s: float = setting(
         15.0, "How long an idle keep-alive connection is kept.", between(0.1, 3_600)

@@ -3,8 +3,10 @@ real sockets, the store read back from its SQLite file."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
+import signal
 import socket
 import time
 import uuid
@@ -56,6 +58,18 @@ def raw(svc: Service, data: bytes, wait_s: float = 5.0) -> bytes:
         while chunk := s.recv(65536):
             out += chunk
         return out
+
+
+def signed_request(body: bytes, delivery: str, head: str = "") -> bytes:
+    """A signed POST of ``body`` to the github source, with ``head``'s lines in its head."""
+    fields = "".join(f"{k}: {v}\r\n" for k, v in signed(body, delivery).items())
+    return (
+        f"POST /hooks/github HTTP/1.1\r\n{head}content-length: {len(body)}\r\n{fields}\r\n"
+    ).encode() + body
+
+
+def statuses(out: bytes) -> list[int]:
+    return [int(s) for s in re.findall(rb"HTTP/1\.[01] (\d{3}) ", out)]
 
 
 def test_a_signed_hook_is_stored_and_its_resend_is_a_duplicate(svc: Service) -> None:
@@ -233,3 +247,194 @@ def test_expect_100_continue_gets_its_interim_answer(svc: Service) -> None:
         assert s.recv(65536) == b"HTTP/1.1 100 Continue\r\n\r\n"  # before any body byte
         s.sendall(body)
         assert s.recv(65536).startswith(b"HTTP/1.1 201 ")
+
+
+def test_requests_before_a_malformed_one_are_answered_before_its_400(svc: Service) -> None:
+    """A client pairs answers with its requests by their order (RFC 9112 9.3.2): the
+    requests queued before bytes that do not parse are answered first, then the 400; the
+    request after them is not read. Whether the first is still queued or in its commit."""
+    bad = b"XXXX\r\n\r\n"
+    body = b'{"n":1}'
+    pipelined = [signed_request(body, f"before-bad-{i}") for i in range(3)]
+    out = raw(svc, pipelined[0] + pipelined[1] + bad + pipelined[2])
+    assert statuses(out) == [201, 201, 400] and out.endswith(b'{"error":"bad_request"}'), out
+    assert readers.count(svc.store_path) == 2
+    for i, pause in enumerate([0.0, 0.0005, 0.002, 0.01]):  # the 400 as the hook commits
+        with socket.create_connection(("127.0.0.1", svc.port), timeout=5) as s:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s.sendall(signed_request(body, f"racing-bad-{i}"))
+            time.sleep(pause)
+            s.sendall(bad)
+            out = b""
+            while chunk := s.recv(65536):
+                out += chunk
+        assert statuses(out) == [201, 400], (pause, out)
+    assert readers.count(svc.store_path) == 6
+
+
+def test_a_connection_refused_behind_a_request_does_not_hold_up_a_graceful_stop(
+    tmp_path: Path,
+) -> None:
+    """After its answers and its 400, a connection whose client keeps its socket open is
+    closed by the server within ``LINGER_S``; a graceful stop does not wait on it."""
+    svc = Service(tmp_path, GITHUB, server={"graceful_timeout_s": 8}, env={"GH_SECRET": SECRET})
+    try:
+        svc.start()
+        body = b'{"n":1}'
+        held, answers = [], []
+        for i in range(2):
+            s = socket.create_connection(("127.0.0.1", svc.port), timeout=5)
+            s.sendall(signed_request(body, f"held-{i}") + b"XXXX\r\n\r\n")
+            out = b""
+            while chunk := s.recv(65536):  # until the server's end of its answers
+                out += chunk
+            answers.append(statuses(out))
+            held.append(s)
+        started = time.monotonic()
+        svc.send(signal.SIGTERM)
+        assert svc.proc is not None and svc.proc.wait(30) == 0
+        assert time.monotonic() - started < 5.0
+        assert "graceful timeout" not in svc.log()
+        assert answers == [[201, 400]] * 2
+        assert readers.count(svc.store_path) == 2
+        for s in held:
+            s.close()
+    finally:
+        svc.close()
+
+
+def test_a_request_asking_to_upgrade_is_answered_over_http_1_1(svc: Service) -> None:
+    """What ``curl --http2`` sends to an http:// URL: the Upgrade is ignored (RFC 9110
+    7.8) and the request answered as if it had not asked, its body whole, whether framed by
+    length or in chunks, its 100 Continue sent once; the requests after it are read as
+    before. CONNECT is refused."""
+    h2c = "connection: Upgrade, HTTP2-Settings\r\nupgrade: h2c\r\nhttp2-settings: AAMAAABk\r\n"
+    bodies = [json.dumps({"upgrade": i}).encode() for i in range(3)]
+    fields = "".join(f"{k}: {v}\r\n" for k, v in signed(bodies[1], "h2c-1").items())
+    chunked = (
+        f"POST /hooks/github HTTP/1.1\r\n{h2c}{fields}transfer-encoding: chunked\r\n\r\n".encode()
+        + b"%x\r\n%s\r\n0\r\n\r\n" % (len(bodies[1]), bodies[1])
+    )
+    expecting = signed_request(bodies[0], "h2c-0", h2c + "expect: 100-continue\r\n")
+    with socket.create_connection(("127.0.0.1", svc.port), timeout=5) as s:
+        s.sendall(expecting[: -len(bodies[0])])  # its body once it is asked for
+        out = s.recv(65536)
+        assert out == b"HTTP/1.1 100 Continue\r\n\r\n"
+        s.sendall(bodies[0] + chunked + signed_request(bodies[2], "h2c-2", "connection: close\r\n"))
+        while chunk := s.recv(65536):
+            out += chunk
+    assert statuses(out) == [100, 201, 201, 201], out
+    ids = re.findall(rb'"id":"([0-9a-f-]{36})"', out)
+    stored = [readers.get(svc.store_path, i.decode()) for i in ids]
+    assert [(h.body, h.event_key) for h in stored if h] == [
+        (b, f"h2c-{i}".encode()) for i, b in enumerate(bodies)
+    ]
+    out = raw(svc, b"CONNECT 127.0.0.1:22 HTTP/1.1\r\nhost: 127.0.0.1:22\r\n\r\n")
+    assert statuses(out) == [400] and b'{"error":"upgrade_not_supported"}' in out
+
+
+def test_a_transfer_coding_other_than_chunked_is_not_implemented(svc: Service) -> None:
+    """Chunked is the only transfer coding read (RFC 9112 6.1): another before it is 501
+    and the connection closed, not a body stored still coded. Framing that cannot be
+    trusted stays 400: chunked not last, twice, or with a Content-Length."""
+    body = b'{"coded":true}'
+    coded = gzip.compress(body)
+
+    def framed(*fields: str, payload: bytes = coded) -> bytes:
+        head = "".join(f"{k}: {v}\r\n" for k, v in signed(payload, "coded").items())
+        head += "".join(f"{f}\r\n" for f in fields)
+        chunks = b"%x\r\n%s\r\n0\r\n\r\n" % (len(payload), payload)
+        return f"POST /hooks/github HTTP/1.1\r\n{head}\r\n".encode() + chunks
+
+    for fields in [
+        ["transfer-encoding: gzip, chunked"],
+        ["transfer-encoding: GZIP , Chunked"],
+        ["transfer-encoding: gzip", "transfer-encoding: chunked"],
+        ["transfer-encoding: identity, chunked"],
+    ]:
+        out = raw(svc, framed(*fields) + signed_request(body, "after", "connection: close\r\n"))
+        assert statuses(out) == [501], (fields, out)
+        assert out.endswith(b'{"error":"not_implemented"}') and b"connection: close" in out
+    for fields in [
+        ["transfer-encoding: chunked, gzip"],
+        ["transfer-encoding: gzip"],
+        ["transfer-encoding: chunked", "transfer-encoding: chunked"],
+        ["transfer-encoding: chunked", f"content-length: {len(coded)}"],
+    ]:
+        out = raw(svc, framed(*fields))
+        assert statuses(out) == [400], (fields, out)
+    assert readers.count(svc.store_path) == 0
+    out = raw(svc, framed("transfer-encoding: Chunked", "connection: close", payload=body))
+    assert statuses(out) == [201], out
+    assert readers.count(svc.store_path) == 1
+
+
+def test_a_client_that_does_not_read_its_answers_is_dropped(svc: Service) -> None:
+    """A client that pipelines requests and never reads our answers holds its connection
+    for ``body_timeout_s`` (0.5 s here) once they stop fitting, then it is reset; the
+    requests it queued that were not begun are dropped (no answer: it sends them again)."""
+    one = b"GET /nope HTTP/1.1\r\nhost: x\r\n\r\n"
+    blob = one * 2000
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", svc.port))
+        s.setblocking(False)
+        sent, stalled, out, ended = 0, 0.0, b"", ""
+        while not stalled or time.monotonic() - stalled < 0.3:  # until it stops reading
+            try:
+                sent += s.send(blob[sent % len(blob) :])
+                stalled = 0.0
+            except BlockingIOError:
+                stalled = stalled or time.monotonic()
+                time.sleep(0.02)
+            except (ConnectionResetError, BrokenPipeError):
+                break
+        time.sleep(2.0)
+        deadline = time.monotonic() + 5.0
+        while not ended and time.monotonic() < deadline:
+            s.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                chunk = s.recv(65536)
+            except TimeoutError:
+                continue
+            except ConnectionResetError:
+                ended = "reset"
+            else:
+                ended = "" if chunk else "closed"
+                out += chunk
+    assert ended, f"still answering after 5 s: {out.count(b'HTTP/1.1 404 ')} answers"
+    assert out.count(b"HTTP/1.1 404 ") < sent // len(one)
+    body = b'{"after":1}'
+    assert svc.post("github", body, signed(body)).status == 201
+
+
+def test_100_continue_follows_earlier_answers_and_is_not_sent_to_http_1_0(svc: Service) -> None:
+    """The interim answer is written when its request is next to be answered, never
+    before the answers to requests pipelined ahead of it; an HTTP/1.0 client cannot know
+    it, so its expectation is ignored (RFC 9110 10.1.1)."""
+    body = b'{"expect":1}'
+    first = signed_request(body, "ahead")
+    expecting = signed_request(body, "expecting", "expect: 100-continue\r\n")
+    head, _, _ = expecting.partition(b"\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", svc.port), timeout=5) as s:
+        s.sendall(first + head + b"\r\n\r\n")
+        got = b""
+        while b"100 Continue" not in got:
+            got += s.recv(65536)
+        assert statuses(got) == [201, 100], got
+        s.sendall(body + signed_request(body, "last", "connection: close\r\n"))
+        while chunk := s.recv(65536):
+            got += chunk
+    assert statuses(got) == [201, 100, 201, 201], got
+    old = head.replace(b"HTTP/1.1", b"HTTP/1.0", 1).replace(b"expecting", b"old-client")
+    with socket.create_connection(("127.0.0.1", svc.port), timeout=5) as s:
+        s.sendall(old + b"\r\n\r\n")
+        s.settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            s.recv(65536)
+        s.settimeout(5)
+        s.sendall(body)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    assert statuses(got) == [201], got

@@ -7,9 +7,15 @@ burst is answered in the order it was sent. Reading pauses while the pipeline is
 while the transport cannot write, so a client that sends without reading cannot grow
 our memory. Limits: a request line plus headers larger than ``max_header_bytes`` is 431;
 a body larger than ``max_body_bytes`` is 413 as soon as the ``Content-Length`` (or the
-chunks seen so far) says so, without reading the rest; bytes that do not parse are 400.
-Each ends the connection. Deadlines (headers, body, idle keep-alive) are checked by one
-sweep per server each ``SWEEP_S`` rather than a timer per request.
+chunks seen so far) says so, without reading the rest; a transfer coding other than
+chunked is 501; bytes that do not parse are 400. Each ends the connection: nothing more is
+read, and the requests queued before it are answered first, in order (a client pairs
+answers with requests by their order, RFC 9112 9.3.2); none is cancelled, since a hook
+being handled may already be committed. Deadlines (headers, body, idle keep-alive, and
+answers left unread, which bound what a client can make us hold) are checked by one sweep
+per server each ``SWEEP_S`` rather than a timer per request. A request asking to switch
+protocols (``Upgrade: h2c``, as ``curl --http2`` sends) is answered over HTTP/1.1 as if
+it had not asked; CONNECT is 400.
 """
 
 from __future__ import annotations
@@ -91,6 +97,17 @@ class _Reject(Exception):
         self.error = error
 
 
+def _check_coding(coding: str) -> None:
+    """Chunked is the only transfer coding we decode: another one is 501 (RFC 9112 6.1),
+    not a body stored still coded; when chunked is not the last, the body's length cannot
+    be known, 400 (6.3). Every field's value, joined by commas."""
+    codings = [c for c in (c.strip().lower() for c in coding.split(",")) if c]
+    if codings[-1:] != ["chunked"]:
+        raise _Reject(400, "bad_request")
+    if len(codings) > 1:
+        raise _Reject(501, "not_implemented")
+
+
 _STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in HTTPStatus}
 
 
@@ -129,6 +146,9 @@ class Connection(asyncio.Protocol):
         self._reading = True
         self._closing = False  # no more requests are read: answering what is queued
         self._lingering = False
+        # an error answer kept until the answers queued before it are written: the answer,
+        # and the path and first byte of its request, for the observer
+        self._refusal: tuple[Response, bytes, int] | None = None
         self._made_at = time.monotonic()
         # the request being parsed
         self._in_request = False
@@ -137,11 +157,12 @@ class Connection(asyncio.Protocol):
         self._raw_headers: list[tuple[bytes, bytes]] = []  # as parsed, until decoded at once
         self._headers: list[tuple[str, str]] = []
         self._header_bytes = 0
-        self._expect_continue = False
+        self._expect_continue = False  # its 100 Continue waits for earlier answers
         self._body: list[bytes] = []
         self._body_bytes = 0
         self._deadline = 0.0  # monotonic seconds; 0 when none applies
         self._deadline_error = ""
+        self._write_deadline = 0.0  # while our answers do not fit: when the client is dropped
 
     # -- asyncio.Protocol ---------------------------------------------------------------
 
@@ -154,12 +175,20 @@ class Connection(asyncio.Protocol):
         self._server.connections.discard(self)
         self._transport = None
         self._can_write.set()
-        if self._task is not None:
-            self._task.cancel()
+        self._pipeline.clear()
+        # No answer can reach its client now. Cleared here: a task cancelled before its
+        # first step never runs its own ``finally``.
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
 
     def data_received(self, data: bytes) -> None:
-        if self._closing:
-            return  # answered an error, or stopping: discard
+        rest: bytes | memoryview = data
+        while rest and not self._closing:  # once closing (an error, or stopping): discarded
+            rest = self._feed(rest)
+
+    def _feed(self, data: bytes | memoryview) -> bytes | memoryview:
+        """Parse ``data``; what is left to parse when a request asked to upgrade."""
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserCallbackError as e:
@@ -169,12 +198,31 @@ class Connection(asyncio.Protocol):
             else:
                 log.error("request parser callback failed: %r", cause)
                 self._reject(500, "internal_error")
-        except httptools.HttpParserUpgrade:
-            self._reject(400, "upgrade_not_supported")
+        except httptools.HttpParserUpgrade as e:
+            head = self._without_upgrade()
+            if head:
+                self._feed(head)
+            return memoryview(data)[e.args[0] :]
         except httptools.HttpParserError:
-            if self._closing:
-                return  # bytes after a request that asked to close: ignored (RFC 9112 9.6)
-            self._reject(400, "bad_request")
+            if not self._closing:  # else bytes after a request that asked to close: ignored
+                self._reject(400, "bad_request")  # (RFC 9112 9.6)
+        return b""
+
+    def _without_upgrade(self) -> bytes:
+        """A request asked to switch protocols: it is answered over HTTP/1.1 as if it had
+        not asked (RFC 9110 7.8), a CONNECT refused. httptools completed it without its
+        body and stopped after its head: a new parser is to read that head again, without
+        the Upgrade field (returned), and then what followed it."""
+        req, _ = self._pipeline.pop()
+        if req.method == b"CONNECT":
+            self._reject(400, "upgrade_not_supported")
+            return b""
+        self._closing = False  # if it said it was the last: parsed again, it says so again
+        version = self._parser.get_http_version().encode()
+        head = [b"%s %s HTTP/%s\r\n" % (req.method, self._url, version)]
+        head += [n + b": " + v + b"\r\n" for n, v in self._raw_headers if n.lower() != b"upgrade"]
+        self._parser = httptools.HttpRequestParser(self)
+        return b"".join(head) + b"\r\n"
 
     def eof_received(self) -> bool | None:
         # A half-closed client may still read our answers to what it sent.
@@ -186,9 +234,11 @@ class Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._can_write.clear()
+        self._write_deadline = time.monotonic() + self._limits.body_timeout_s
 
     def resume_writing(self) -> None:
         self._can_write.set()
+        self._write_deadline = 0.0
 
     # -- httptools callbacks ------------------------------------------------------------
 
@@ -228,15 +278,26 @@ class Connection(asyncio.Protocol):
             (name.decode("latin-1").lower(), value.decode("latin-1"))
             for name, value in self._raw_headers
         ]
+        coding, expect = "", False
         for key, text in headers:
             if key == "content-length":
                 if text.isdigit() and int(text) > self._limits.max_body_bytes:
                     raise _Reject(413, "too_large")
             elif key == "expect":
-                self._expect_continue = text.lower() == "100-continue"
-        if self._expect_continue and self._transport is not None:
-            # curl and others wait for this (a second, with curl) before the body
-            self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                expect = text.lower() == "100-continue"
+            elif key == "transfer-encoding":
+                coding = f"{coding},{text}" if coding else text
+        if coding and coding.lower() != "chunked":
+            _check_coding(coding)
+        # curl and others wait for this (a second, with curl) before the body. Not to
+        # HTTP/1.0, which cannot know it (RFC 9110 10.1.1); not ahead of the answers owed
+        # before it; to a request that asks to upgrade, when it is parsed again without.
+        parser = self._parser
+        if expect and parser.get_http_version() == "1.1" and not parser.should_upgrade():
+            if self._task is None:
+                self._continue()
+            else:
+                self._expect_continue = True  # written by _answer once they are
         self._deadline = time.monotonic() + self._limits.body_timeout_s
         self._deadline_error = "body_timeout"
 
@@ -294,27 +355,41 @@ class Connection(asyncio.Protocol):
             self._task = None
         if self._transport is None:
             return
-        if self._closing:
+        if self._refusal is not None:
+            self._refuse()
+        elif self._closing:
             self._transport.close()
         elif not self._in_request:
             self._expect_idle()
+        elif self._expect_continue:
+            self._continue()
+
+    def _continue(self) -> None:
+        self._expect_continue = False
+        if self._transport is not None:
+            self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def _reject(self, status: int, error: str) -> None:
-        """Answer an unreadable request and end the connection. Requests already queued
-        are dropped unanswered: the client cannot tell which of its bytes we understood."""
+        """Answer an unreadable request and end the connection: nothing more is read, and
+        the answer waits for those of the requests queued before it."""
         self._closing = True
-        self._lingering = True
-        self._pipeline.clear()
-        if self._task is not None:
-            self._task.cancel()
-        t = self._transport
-        if t is None:
+        path = self._url.partition(b"?")[0] if self._in_request else b""
+        started_ns = self._started_ns if self._in_request else time.monotonic_ns()
+        self._refusal = (Response(status, error_body(error)), path, started_ns)
+        if self._task is None:
+            self._refuse()
+
+    def _refuse(self) -> None:
+        """Write the answer ``_reject`` kept, and close our side."""
+        t, refusal = self._transport, self._refusal
+        if t is None or refusal is None:
             return
-        observe = self._server.observe
-        if observe is not None:
-            path = self._url.partition(b"?")[0] if self._in_request else b""
-            observe(path, status, self._started_ns if self._in_request else time.monotonic_ns())
-        t.write(encode(Response(status, error_body(error)), keep_alive=False))
+        self._refusal = None
+        self._lingering = True
+        resp, path, started_ns = refusal
+        if self._server.observe is not None:
+            self._server.observe(path, resp.status, started_ns)
+        t.write(encode(resp, keep_alive=False))
         # Close our side but keep reading (and discarding) for a moment, so the client
         # reads the answer instead of a reset caused by its unread bytes.
         if t.can_write_eof():
@@ -332,7 +407,15 @@ class Connection(asyncio.Protocol):
 
     def check_deadline(self, now: float) -> None:
         """Called by the server's sweep. An idle connection past its keep-alive is closed
-        quietly; a request too slow in coming is answered 408 first."""
+        quietly; a request too slow in coming is answered 408 first. A client that leaves
+        our answers unread for ``body_timeout_s`` (as long as it may take to send a body)
+        is reset, and the requests it queued that were not begun are dropped: none was
+        answered, so its client sends them again."""
+        if self._write_deadline and now >= self._write_deadline:
+            self._pipeline.clear()
+            if self._transport is not None:
+                self._transport.abort()
+            return
         if not self._deadline or now < self._deadline or self._task is not None:
             return
         if self._deadline_error and not self._lingering:
