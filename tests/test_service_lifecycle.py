@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import sqlite3
@@ -385,3 +386,61 @@ def test_an_aborted_worker_logs_where_it_was_and_is_replaced(
     wait_until(lambda: len(svc.pids("worker")) == 2, what="a replacement")
     log = svc.log()
     assert "Fatal Python error: Aborted" in log and "File " in log  # faulthandler's traceback
+
+
+def test_a_hup_into_a_config_that_cannot_boot_then_a_fixed_one_keeps_serving(
+    make: list[Service], tmp_path: Path
+) -> None:
+    """The second HUP comes while the first one's new worker is still booting: that
+    worker's failure is of a superseded configuration, no reason to stop the service."""
+    svc = service(make, tmp_path).start()
+    before = svc.pids("worker")
+    svc.rewrite(NODE.replace('"GH_SECRET"', '"NO_SUCH_SECRET"'))
+    svc.send(signal.SIGHUP)
+    time.sleep(0.02)
+    svc.rewrite(NODE)
+    svc.send(signal.SIGHUP)
+    wait_until(lambda: "NO_SUCH_SECRET is not set" in svc.log(), what="the bad worker failing")
+    assert svc.proc is not None
+    wait_until(
+        lambda: "reload complete" in svc.log() or svc.proc.poll() is not None,
+        what="the fixed config serving",
+    )
+    assert svc.proc.poll() is None, svc.log()
+    wait_until(lambda: not set(before) & set(svc.pids("worker")), what="every worker replaced")
+    assert len(svc.pids("worker")) == 2
+    assert svc.post("github", b"{}", signed(b"{}")).status == 201
+    assert svc.stop() == 0
+
+
+def test_a_worker_that_cannot_boot_again_while_others_serve_is_retried(
+    make: list[Service], tmp_path: Path
+) -> None:
+    """Its secret file gone, a killed worker cannot start again: the other one keeps
+    serving and the respawn is retried with backoff; only with no worker left serving
+    does the supervisor stop."""
+    secret = tmp_path / "gh.secret"
+    secret.write_text(SECRET)
+    source = GITHUB_SOURCE.replace('secret_env = "GH_SECRET"', f'secret_file = "{secret}"')
+    svc = service(make, tmp_path, NODE.replace(GITHUB_SOURCE, source)).start()
+    secret.unlink()
+    # The first worker started: it accepts on lane 0, whose sockets the supervisor keeps.
+    victim = int(re.search(r"worker (\d+) started", svc.log())[1])  # type: ignore[index]
+    os.kill(victim, signal.SIGKILL)
+    assert svc.proc is not None
+    wait_until(
+        lambda: svc.log().count("trying again in") >= 2 or svc.proc.poll() is not None,
+        what="a respawn that cannot start, tried again with backoff",
+    )
+    assert svc.proc.poll() is None, svc.log()
+    for _ in range(8):  # the other one serves every new connection, none waits on lane 0
+        assert svc.post("github", b"{}", signed(b"{}")).status == 201
+    secret.write_text(SECRET)
+    wait_until(lambda: len(svc.pids("worker")) == 2, what="the respawn booting once it can")
+    assert svc.post("github", b"{}", signed(b"{}")).status == 201
+
+    secret.unlink()
+    for pid in svc.pids("worker"):  # nothing left to serve: now it stops
+        os.kill(pid, signal.SIGKILL)
+    assert svc.proc.wait(30) == 1
+    assert "cannot start (its error is logged above)" in svc.log()

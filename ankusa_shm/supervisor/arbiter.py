@@ -13,9 +13,11 @@ heartbeat in the segment went silent (SIGABRT, then SIGKILL after ``KILL_AFTER_S
   one is told to stop -- so no connection is refused. A new worker that cannot boot
   abandons the reload (the old ones keep serving).
 - TTIN/TTOU: one worker more / less.
-- A child that exits ``BOOT_ERROR`` when nothing else could serve stops the supervisor
-  with its message instead of a respawn loop; any other death is respawned, with
-  backoff when it keeps dying young.
+- A child that exits ``BOOT_ERROR`` when nothing else could serve -- during the first
+  start, or with no worker left serving -- stops the supervisor with its message instead
+  of a respawn loop. One of a configuration that was superseded is dropped with it; one
+  of the running configuration while workers serve is logged and tried again with
+  backoff. Any other death is respawned, with backoff when it keeps dying young.
 """
 
 from __future__ import annotations
@@ -111,6 +113,7 @@ class Arbiter:
         self._stop: _Stop | None = None
         self._halt: str | None = None
         self._announced_ready = False
+        self._up = False  # every child of the first start has served: past the first start
         self._last_watchdog = 0.0
         self._seg: Segment | None = None
         self._listeners: socks.Listeners | None = None
@@ -246,7 +249,7 @@ class Arbiter:
                 os.close(c.ready_fd)
         seg, cfg, listeners, admin_socket = self._seg, self.cfg, self._listeners, self._admin_socket
         assert seg is not None and listeners is not None
-        mine = listeners.lane(lane) if kind is Kind.WORKER else []
+        mine = listeners.lane(lane, listen=False) if kind is Kind.WORKER else []
         for s in listeners.all():  # the other lanes' sockets are not this child's
             if s not in mine:
                 s.close()
@@ -315,13 +318,24 @@ class Arbiter:
         log.warning("%s %d died (%s); starting another", c.kind.value, c.pid, how)
         if c.kind is Kind.WORKER:
             self._recover_since_ms = _recovery_start(c.cfg)
-        b = self._backoff[c.kind]
-        young = time.monotonic() - c.started < YOUNG_S
+        self._back_off(c.kind, young=time.monotonic() - c.started < YOUNG_S)
+
+    def _back_off(self, kind: Kind, young: bool) -> None:
+        b = self._backoff[kind]
         b.delay = min(max(2 * b.delay, 0.1), BACKOFF_MAX_S) if young else 0.0
         b.not_before = time.monotonic() + b.delay
 
     def _on_boot_error(self, c: Child) -> None:
-        if c.cfg is self.cfg and self._previous is not None:
+        """Halt only when nothing else could serve; otherwise drop the configuration that
+        cannot start, or keep trying the child of the running one."""
+        if c.cfg is not self.cfg:  # superseded by a later HUP, or already gone back from
+            log.error(
+                "%s %d of a superseded configuration cannot start; dropped",
+                c.kind.value,
+                c.pid,
+            )
+            return
+        if self._previous is not None:
             log.error(
                 "%s %d of the new configuration cannot start; going back to the previous one",
                 c.kind.value,
@@ -332,7 +346,28 @@ class Arbiter:
             self._publish(self.cfg)
             self.notifier.send("READY=1", self._status())
             return  # the failed config's children are now old, and replaced as such
-        self._halt = f"{c.kind.value} {c.pid} cannot start (its error is logged above)"
+        serving = len(self._serving())
+        if not self._up or not serving:
+            self._halt = f"{c.kind.value} {c.pid} cannot start (its error is logged above)"
+            return
+        self._back_off(c.kind, young=True)  # however long it took: it will fail again soon
+        if c.kind is Kind.WORKER and self._listeners is not None:
+            self._listeners.drop(c.lane)  # its connections go to the lanes that are served
+        log.error(
+            "%s %d cannot start; trying again in %.1f s (workers serving: %d)",
+            c.kind.value,
+            c.pid,
+            self._backoff[c.kind].delay,
+            serving,
+        )
+
+    def _serving(self) -> list[Child]:
+        """The workers accepting connections now."""
+        return [
+            c
+            for c in self._children.values()
+            if c.kind is Kind.WORKER and c.ready and not c.retiring and c.abort_sent is None
+        ]
 
     def _retire(self, c: Child) -> None:
         if not c.retiring:
@@ -422,6 +457,8 @@ class Arbiter:
 
     def _report(self, now: float) -> None:
         healthy = self._healthy()
+        if healthy and all(c.ready for c in self._children.values()):
+            self._up = True
         if healthy and not self._announced_ready:
             self._announced_ready = True
             log.info("ready: %s", self._status())
