@@ -24,7 +24,7 @@ from typing import NoReturn
 import setproctitle
 
 from ankusa_shm.clock import monotonic_ms
-from ankusa_shm.shm.procs import ProcessSlot
+from ankusa_shm.shm.procs import NoFreeSlot, ProcessSlot
 
 log = logging.getLogger("ankusa_shm.child")
 
@@ -110,7 +110,7 @@ def run(title: str, parent: int, body: Callable[[], int]) -> NoReturn:
         faulthandler.enable()  # SIGABRT from the supervisor prints where the loop was stuck
         setproctitle.setproctitle(title)
         code = body()
-    except BootError as e:
+    except (BootError, NoFreeSlot) as e:
         log.error("%s cannot start: %s", title, e)
         code = BOOT_ERROR
     except BaseException:

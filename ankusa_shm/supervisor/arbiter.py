@@ -11,8 +11,10 @@ heartbeat in the segment went silent (SIGABRT, then SIGKILL after ``KILL_AFTER_S
 - HUP: read and validate the config again; an invalid one is logged and the old one
   keeps serving. Workers are replaced one at a time -- a new one serves before an old
   one is told to stop -- so no connection is refused. A new worker that cannot boot
-  abandons the reload (the old ones keep serving).
-- TTIN/TTOU: one worker more / less.
+  abandons the reload (the old ones keep serving); one still booting when another HUP
+  comes is stopped (it never served), so a burst of HUPs boots no more workers at a
+  time than the worker count.
+- TTIN/TTOU: one worker more / less; no more than the segment's process slots allow.
 - A child that exits ``BOOT_ERROR`` when nothing else could serve -- during the first
   start, or with no worker left serving -- stops the supervisor with its message instead
   of a respawn loop. One of a configuration that was superseded is dropped with it; one
@@ -217,11 +219,27 @@ class Arbiter:
         elif sig == signal.SIGHUP:
             self._reload()
         elif sig == signal.SIGTTIN:
+            if self._free_slots() < 2:  # one for it, one for a replacement on reload
+                log.warning(
+                    "TTIN refused: the segment's process slots are taken (%d workers)",
+                    self._target,
+                )
+                return
             self._target += 1
             log.info("one worker more: %d", self._target)
         elif sig == signal.SIGTTOU and self._target > 1:
             self._target -= 1
             log.info("one worker less: %d", self._target)
+
+    def _free_slots(self) -> int:
+        """Process slots of the segment that no live process holds and no child of ours,
+        started or still to be, is about to claim."""
+        assert self._seg is not None
+        lay = self._seg.layout
+        held = [p.pid for p in procs.read(self._seg.view, lay) if p.alive]
+        coming = sum(1 for pid in self._children if pid not in held)
+        workers = sum(1 for c in self._children.values() if c.kind is Kind.WORKER)
+        return lay.params.process_slots - len(held) - coming - max(0, self._target - workers)
 
     # -- children ---------------------------------------------------------------------------
 
@@ -376,6 +394,9 @@ class Arbiter:
 
     def _keep_running(self, now: float) -> None:
         """Start what is missing; replace old-generation children one at a time."""
+        for c in self._children.values():
+            if c.kind is Kind.WORKER and c.cfg is not self.cfg and not c.ready:
+                self._retire(c)  # still booting on a superseded config: it never served
         live = [c for c in self._children.values() if not c.retiring]
         workers = [c for c in live if c.kind is Kind.WORKER]
         current = [c for c in workers if c.cfg is self.cfg]
