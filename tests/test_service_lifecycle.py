@@ -495,3 +495,23 @@ def test_ttin_is_refused_when_no_process_slot_is_free(make: list[Service], tmp_p
                 slot.release()
     svc.send(signal.SIGTTIN)
     wait_until(lambda: len(svc.pids("worker")) == 3, what="a third worker once slots are free")
+
+
+def test_process_titles_with_a_notify_socket(make: list[Service], tmp_path: Path) -> None:
+    """Under systemd NOTIFY_SOCKET comes anywhere in the environment, and the supervisor
+    takes it out: the titles must survive that. (setproctitle rewrites argv's memory and
+    the environment strings that follow it while they are contiguous; a variable removed
+    before it starts cuts that area short at the variable.)"""
+    svc = service(make, tmp_path)
+    first = [f"NOTIFY_SOCKET={svc.notify_path}"]  # first, as systemd may put it
+    svc.start(argv_prefix=["env", "-i", *first, *(f"{k}={v}" for k, v in svc.env.items())])
+
+    def title(pid: int) -> str:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+
+    name = svc.segment
+    assert title(svc.pid) == f"ankusa-shm: supervisor [{name}]"
+    for pid in svc.pids("worker"):
+        assert title(pid) == f"ankusa-shm: worker [{name}]"
+    (admin,) = svc.pids("admin")
+    assert title(admin) == f"ankusa-shm: admin [{name}]"
