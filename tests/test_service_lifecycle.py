@@ -21,7 +21,9 @@ from load_client import GITHUB_SOURCE, SECRET, Load, signed
 from redis_server import RedisServer
 from service import Service
 
-from ankusa_shm.shm import procs
+from ankusa_shm.clock import monotonic_ms
+from ankusa_shm.shm import layout as L
+from ankusa_shm.shm import pids, procs
 from ankusa_shm.shm.counters import Counter, totals
 from ankusa_shm.shm.procs import NoFreeSlot, Role
 from ankusa_shm.shm.segment import Segment
@@ -265,7 +267,8 @@ def test_ttin_and_ttou_change_the_worker_count(make: list[Service], tmp_path: Pa
     assert listening_sockets(svc.port) == 2
     svc.send(signal.SIGTTIN)
     wait_until(lambda: len(svc.pids("worker")) == 3, what="a third worker")
-    assert listening_sockets(svc.port) == 3
+    # its lane listens once it serves
+    wait_until(lambda: listening_sockets(svc.port) == 3, what="a third lane")
     for left in (2, 1):  # one at a time: two pending TTOUs are one signal to the kernel
         svc.send(signal.SIGTTOU)
         wait_until(lambda n=left: len(svc.pids("worker")) == n, what=f"down to {left}")
@@ -515,3 +518,48 @@ def test_process_titles_with_a_notify_socket(make: list[Service], tmp_path: Path
         assert title(pid) == f"ankusa-shm: worker [{name}]"
     (admin,) = svc.pids("admin")
     assert title(admin) == f"ankusa-shm: admin [{name}]"
+
+
+def test_the_slots_of_exited_children_are_freed(make: list[Service], tmp_path: Path) -> None:
+    """A child never gives its slot back (killed, it cannot): the supervisor frees it
+    once it has reaped it, so the segment lists no process that is gone."""
+    svc = service(make, tmp_path).start()
+    before = svc.pids("worker")
+    os.kill(before[0], signal.SIGKILL)
+    svc.send(signal.SIGHUP)  # every worker and the admin process replaced
+    svc.wait_for("RELOADING=1")
+    svc.wait_for("READY=1")
+    svc.send(signal.SIGTTOU)  # and one worker fewer
+    wait_until(lambda: len(svc.pids("worker")) == 1, what="one worker left")
+    wait_until(lambda: not set(before) & set(svc.pids("worker")), what="the old ones gone")
+    with Segment.attach(svc.segment, readonly=True) as seg:
+        wait_until(
+            lambda: all(p.alive for p in procs.read(seg.view, seg.layout)),
+            timeout=5,
+            what="no slot of a process that is gone",
+        )
+        assert len(procs.read(seg.view, seg.layout)) == 2  # the worker and the admin
+
+
+def test_a_stale_slot_naming_a_workers_pid_does_not_get_it_aborted(
+    make: list[Service], tmp_path: Path
+) -> None:
+    """A slot left by a dead process whose pid the kernel gave to a worker since: its
+    minute-old heartbeat is not the worker's."""
+    svc = service(make, tmp_path, server={"heartbeat_timeout_s": 1.0}).start()
+    worker = svc.pids("worker")[0]
+    with Segment.attach(svc.segment) as seg:
+        last = seg.layout.params.process_slots - 1  # read after the worker's own slot
+        base = seg.layout.offset("processes") + last * L.PROCESS_SLOT_BYTES
+        ticks = (pids.start_ticks(worker) or 0) - 1  # another process, that had the pid
+        seg.view.store(base + L.PS_HEARTBEAT_MS, monotonic_ms() - 60_000)
+        header = (
+            (ticks & L.START_MASK) << L.PS_START_SHIFT
+            | Role.WORKER << L.PS_ROLE_SHIFT
+            | procs.SlotState.RUNNING << L.PS_STATE_SHIFT
+            | worker
+        )
+        seg.view.store(base + L.PS_HEADER, header)
+    time.sleep(3.0)
+    assert f"worker {worker} silent for" not in svc.log()
+    assert worker in svc.pids("worker")

@@ -4,6 +4,7 @@ Signal handlers only enqueue; one main loop does everything else, woken by the s
 pipe, a child's readiness pipe or a one-second tick: reap with ``waitpid(-1, WNOHANG)``,
 handle what was signalled, keep the right children running, and stop a child whose
 heartbeat in the segment went silent (SIGABRT, then SIGKILL after ``KILL_AFTER_S``).
+A reaped child's process slot is freed here: a child never gives it back itself.
 
 - TERM: stop accepting, let the workers finish in-flight requests, then let the drainer
   empty the settle queue; exit 0 within ``server.graceful_timeout_s`` (what is still
@@ -320,6 +321,8 @@ class Arbiter:
             c = self._children.pop(pid, None)
             if c is None:
                 continue
+            assert self._seg is not None
+            procs.release_dead(self._seg.view, self._seg.layout, pid)
             if c.ready_fd is not None:
                 os.close(c.ready_fd)
             self._on_exit(c, status)
@@ -448,7 +451,10 @@ class Arbiter:
 
     def _watch_heartbeats(self, now: float) -> None:
         assert self._seg is not None
-        beats = {p.pid: p.heartbeat_ms for p in procs.read(self._seg.view, self._seg.layout)}
+        # Live slots only: a dead holder's slot may name a pid the kernel has since given
+        # to one of our children, with a heartbeat long stale.
+        live = [p for p in procs.read(self._seg.view, self._seg.layout) if p.alive]
+        beats = {p.pid: p.heartbeat_ms for p in live}
         limit_ms = self.cfg.server.heartbeat_timeout_s * 1000
         now_ms = monotonic_ms()
         for c in self._children.values():
