@@ -29,6 +29,7 @@ from ankusa_shm.shm.procs import NoFreeSlot, ProcessSlot
 log = logging.getLogger("ankusa_shm.child")
 
 BOOT_ERROR = 3  # as gunicorn's workers: the supervisor stops instead of respawning
+QUEUE_TAKEN = 2  # the drainer: another live process drains the settle queue
 HEARTBEAT_S = 1.0
 _PR_SET_PDEATHSIG = 1
 

@@ -11,6 +11,8 @@ import re
 import signal
 import socket
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -563,3 +565,36 @@ def test_a_stale_slot_naming_a_workers_pid_does_not_get_it_aborted(
     time.sleep(3.0)
     assert f"worker {worker} silent for" not in svc.log()
     assert worker in svc.pids("worker")
+
+
+def test_a_standalone_drainer_holding_the_queue_is_waited_for(
+    make: list[Service], tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """An ``ankusa-shm drainer`` left running on the segment holds the settle queue: the
+    service's own drainer is not started (nor respawned in a loop) while it does, STATUS
+    says who drains, and ours starts once that one is gone."""
+    svc = service(make, tmp_path, fleet_config(redis_server)).start()
+    assert svc.stop() == 0  # the segment stays
+    alone = subprocess.Popen(
+        [sys.executable, "-m", "ankusa_shm", "drainer", "--config", str(svc.config_path)],
+        env={**svc.env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_until(lambda: svc.pids("drainer") == [alone.pid], what="the standalone draining")
+        svc.start()
+        time.sleep(4.0)
+        log = svc.log().split("re-attached segment")[1]
+        assert not re.search(r"drainer \d+ started", log), log
+        assert f"drained by pid {alone.pid}, not a child" in log
+        ready = [m for m in svc.notifications if "READY=1" in m.split("\n")][-1]
+        assert f"settle queue drained by pid {alone.pid} (not ours)" in ready
+        assert "drainer up" not in ready
+    finally:
+        alone.terminate()
+        assert alone.wait(30) == 0
+    wait_until(lambda: len(svc.pids("drainer")) == 1, what="our drainer once it is gone")
+    body = b"{}"
+    assert svc.post("github", body, signed(body)).status == 201
+    assert svc.stop() == 0

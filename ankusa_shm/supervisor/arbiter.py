@@ -16,6 +16,10 @@ A reaped child's process slot is freed here: a child never gives it back itself.
   comes is stopped (it never served), so a burst of HUPs boots no more workers at a
   time than the worker count.
 - TTIN/TTOU: one worker more / less; no more than the segment's process slots allow.
+- The drainer is not started while another live process -- a standalone ``ankusa-shm
+  drainer`` -- holds the settle queue's consumer role: that one drains it (STATUS says
+  so), and ours starts once it is gone. One that finds the role taken exits
+  ``QUEUE_TAKEN`` and waits the same way, instead of a respawn loop.
 - A child that exits ``BOOT_ERROR`` when nothing else could serve -- during the first
   start, or with no worker left serving -- stops the supervisor with its message instead
   of a respawn loop. One of a configuration that was superseded is dropped with it; one
@@ -46,6 +50,7 @@ from ankusa_shm.config import Config
 from ankusa_shm.shm import procs, requests
 from ankusa_shm.shm.procs import Role
 from ankusa_shm.shm.segment import Segment, make_params
+from ankusa_shm.shm.settle_queue import SettleQueue
 from ankusa_shm.supervisor import sockets as socks
 from ankusa_shm.supervisor.notify import Notifier
 
@@ -119,6 +124,8 @@ class Arbiter:
         self._up = False  # every child of the first start has served: past the first start
         self._last_watchdog = 0.0
         self._seg: Segment | None = None
+        self._queue: SettleQueue | None = None
+        self._other_drainer: int | None = None  # pid of a live consumer that is not ours
         self._listeners: socks.Listeners | None = None
         self._admin_socket: socket.socket | None = None
         # Set when a worker died, or the last supervisor did: the next worker promotes
@@ -135,6 +142,7 @@ class Arbiter:
         self._seg = Segment.open_for_owner(
             cfg.server.segment, make_params(cfg.fleet.settle_queue_size)
         )
+        self._queue = SettleQueue(self._seg.view, self._seg.buf, self._seg.layout)
         if self._seg.header().created_ns < began_ns:  # re-attached: the last owner may have died
             self._recover_since_ms = _recovery_start(cfg)
         try:
@@ -336,6 +344,8 @@ class Arbiter:
         if code == child.BOOT_ERROR:
             self._on_boot_error(c)
             return
+        if c.kind is Kind.DRAINER and code == child.QUEUE_TAKEN:
+            return  # started again only once that consumer is gone (``_drainer_elsewhere``)
         log.warning("%s %d died (%s); starting another", c.kind.value, c.pid, how)
         if c.kind is Kind.WORKER:
             self._recover_since_ms = _recovery_start(c.cfg)
@@ -430,7 +440,12 @@ class Arbiter:
             if stale and not d.retiring and not old:  # after the workers, whose settles it drains
                 self._retire(d)
         d_b = self._backoff[Kind.DRAINER]
-        if want_drainer and not drainers and now >= d_b.not_before:
+        if (
+            want_drainer
+            and not drainers
+            and now >= d_b.not_before
+            and not self._drainer_elsewhere()
+        ):
             self._spawn(Kind.DRAINER)  # only once the last one is gone: one consumer
 
         admins = [c for c in self._children.values() if c.kind is Kind.ADMIN]
@@ -448,6 +463,25 @@ class Arbiter:
             log.info("reload complete")
             self._previous = None
             self.notifier.send("READY=1", self._status())
+
+    def _drainer_elsewhere(self) -> bool:
+        """Whether a live process other than our children holds the settle queue's
+        consumer role; said once when one is found, and once when it is gone."""
+        assert self._queue is not None
+        holder = self._queue.live_consumer()
+        other = holder if holder is not None and holder not in self._children else None
+        if other != self._other_drainer:
+            if other is not None:
+                log.warning(
+                    "the settle queue is drained by pid %d, not a child of this supervisor; "
+                    "no drainer of ours while it does",
+                    other,
+                )
+            else:
+                log.info("the settle queue's other consumer is gone; starting our drainer")
+            self._other_drainer = other
+            self.notifier.send(self._status())
+        return other is not None
 
     def _watch_heartbeats(self, now: float) -> None:
         assert self._seg is not None
@@ -477,8 +511,10 @@ class Arbiter:
     def _healthy(self) -> bool:
         workers = [c for c in self._children.values() if c.kind is Kind.WORKER]
         ready = [c for c in workers if c.ready and c.abort_sent is None]
-        drainer_ok = not self.cfg.fleet_kinds or any(
-            c.kind is Kind.DRAINER and c.abort_sent is None for c in self._children.values()
+        drainer_ok = (
+            not self.cfg.fleet_kinds
+            or self._other_drainer is not None
+            or any(c.kind is Kind.DRAINER and c.abort_sent is None for c in self._children.values())
         )
         return len(ready) >= self._target and drainer_ok
 
@@ -500,12 +536,14 @@ class Arbiter:
 
     def _status(self) -> str:
         workers = sum(1 for c in self._children.values() if c.kind is Kind.WORKER and c.ready)
-        drainer = any(c.kind is Kind.DRAINER for c in self._children.values())
         fleet = "+".join(self.cfg.fleet_kinds) or "node only"
-        return (
-            f"STATUS=serving on {self._describe()}: {workers} workers, "
-            f"fleet {fleet}{', drainer up' if drainer else ''}"
-        )
+        if self._other_drainer is not None:
+            drainer = f", settle queue drained by pid {self._other_drainer} (not ours)"
+        elif any(c.kind is Kind.DRAINER for c in self._children.values()):
+            drainer = ", drainer up"
+        else:
+            drainer = ""
+        return f"STATUS=serving on {self._describe()}: {workers} workers, fleet {fleet}{drainer}"
 
     def _publish(self, cfg: Config) -> None:
         """What readers and the children take from the segment: the config snapshot and
