@@ -24,11 +24,12 @@ from typing import NoReturn
 import setproctitle
 
 from ankusa_shm.clock import monotonic_ms
-from ankusa_shm.shm.procs import ProcessSlot
+from ankusa_shm.shm.procs import NoFreeSlot, ProcessSlot
 
 log = logging.getLogger("ankusa_shm.child")
 
 BOOT_ERROR = 3  # as gunicorn's workers: the supervisor stops instead of respawning
+QUEUE_TAKEN = 2  # the drainer: another live process drains the settle queue
 HEARTBEAT_S = 1.0
 _PR_SET_PDEATHSIG = 1
 
@@ -110,7 +111,7 @@ def run(title: str, parent: int, body: Callable[[], int]) -> NoReturn:
         faulthandler.enable()  # SIGABRT from the supervisor prints where the loop was stuck
         setproctitle.setproctitle(title)
         code = body()
-    except BootError as e:
+    except (BootError, NoFreeSlot) as e:
         log.error("%s cannot start: %s", title, e)
         code = BOOT_ERROR
     except BaseException:

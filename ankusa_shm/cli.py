@@ -83,9 +83,15 @@ def _configure_logging() -> None:
 
 
 def _serve(file: str | None) -> int:
+    import setproctitle
+
     from ankusa_shm.supervisor.arbiter import Arbiter
     from ankusa_shm.supervisor.sockets import BindError
 
+    # setproctitle can take over argv's memory only while the environment is still the one
+    # exec laid out after it: start it before the supervisor removes NOTIFY_SOCKET and
+    # LISTEN_FDS, or every process title is lost.
+    setproctitle.getproctitle()
     _configure_logging()
     try:
         cfg = config.load(file) if file else config.defaults()

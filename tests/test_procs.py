@@ -172,3 +172,19 @@ def test_read_tolerates_any_slot_contents(seg: Segment) -> None:
     assert {p.slot for p in shown} <= set(range(len(words)))
     assert len(shown) > len(words) // 2
     assert not any(p.alive for p in shown)  # nobody real is named by random words
+
+
+def test_release_dead_frees_only_a_gone_holders_slots(seg: Segment) -> None:
+    held, done = CTX.Event(), CTX.Event()
+    with Children() as kids:
+        child = kids.start(_hold_slot, seg.name, 2, held, done)
+        assert held.wait(60)
+        mine = procs.claim(seg.view, seg.layout, Role.WORKER, index=0)
+        assert procs.release_dead(seg.view, seg.layout, child.pid) == 0  # alive: kept
+        assert procs.release_dead(seg.view, seg.layout, os.getpid()) == 0
+        done.set()
+        assert kids.collect() == [2]
+        kids.join()
+    assert procs.release_dead(seg.view, seg.layout, child.pid) == 1  # reaped: freed
+    assert [p.slot for p in procs.read(seg.view, seg.layout)] == [0]
+    mine.release()

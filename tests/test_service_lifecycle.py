@@ -4,11 +4,15 @@ watchdog over a real notify socket, and two hosts sharing one Redis."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -19,7 +23,11 @@ from load_client import GITHUB_SOURCE, SECRET, Load, signed
 from redis_server import RedisServer
 from service import Service
 
+from ankusa_shm.clock import monotonic_ms
+from ankusa_shm.shm import layout as L
+from ankusa_shm.shm import pids, procs
 from ankusa_shm.shm.counters import Counter, totals
+from ankusa_shm.shm.procs import NoFreeSlot, Role
 from ankusa_shm.shm.segment import Segment
 from ankusa_shm.store import readers
 
@@ -273,7 +281,8 @@ def test_ttin_and_ttou_change_the_worker_count(make: list[Service], tmp_path: Pa
     assert listening_sockets(svc.port) == 2
     svc.send(signal.SIGTTIN)
     wait_until(lambda: len(svc.pids("worker")) == 3, what="a third worker")
-    assert listening_sockets(svc.port) == 3
+    # its lane listens once it serves
+    wait_until(lambda: listening_sockets(svc.port) == 3, what="a third lane")
     for left in (2, 1):  # one at a time: two pending TTOUs are one signal to the kernel
         svc.send(signal.SIGTTOU)
         wait_until(lambda n=left: len(svc.pids("worker")) == n, what=f"down to {left}")
@@ -397,3 +406,207 @@ def test_an_aborted_worker_logs_where_it_was_and_is_replaced(
     wait_until(lambda: len(svc.pids("worker")) == 2, what="a replacement")
     log = svc.log()
     assert "Fatal Python error: Aborted" in log and "File " in log  # faulthandler's traceback
+
+
+def test_a_hup_into_a_config_that_cannot_boot_then_a_fixed_one_keeps_serving(
+    make: list[Service], tmp_path: Path
+) -> None:
+    """The second HUP comes while the first one's new worker is still booting: that
+    worker is of a superseded configuration, stopped as such or, if it fails first,
+    dropped -- no reason to stop the service."""
+    svc = service(make, tmp_path).start()
+    before = svc.pids("worker")
+    svc.rewrite(NODE.replace('"GH_SECRET"', '"NO_SUCH_SECRET"'))
+    svc.send(signal.SIGHUP)
+    time.sleep(0.02)
+    svc.rewrite(NODE)
+    svc.send(signal.SIGHUP)
+    assert svc.proc is not None
+    wait_until(
+        lambda: "reload complete" in svc.log() or svc.proc.poll() is not None,
+        what="the fixed config serving",
+    )
+    assert svc.proc.poll() is None, svc.log()
+    wait_until(lambda: not set(before) & set(svc.pids("worker")), what="every worker replaced")
+    assert len(svc.pids("worker")) == 2
+    assert svc.post("github", b"{}", signed(b"{}")).status == 201
+    assert svc.stop() == 0
+
+
+def test_a_worker_that_cannot_boot_again_while_others_serve_is_retried(
+    make: list[Service], tmp_path: Path
+) -> None:
+    """Its secret file gone, a killed worker cannot start again: the other one keeps
+    serving and the respawn is retried with backoff; only with no worker left serving
+    does the supervisor stop."""
+    secret = tmp_path / "gh.secret"
+    secret.write_text(SECRET)
+    source = GITHUB_SOURCE.replace('secret_env = "GH_SECRET"', f'secret_file = "{secret}"')
+    svc = service(make, tmp_path, NODE.replace(GITHUB_SOURCE, source)).start()
+    secret.unlink()
+    # The first worker started: it accepts on lane 0, whose sockets the supervisor keeps.
+    victim = int(re.search(r"worker (\d+) started", svc.log())[1])  # type: ignore[index]
+    os.kill(victim, signal.SIGKILL)
+    assert svc.proc is not None
+    wait_until(
+        lambda: svc.log().count("trying again in") >= 2 or svc.proc.poll() is not None,
+        what="a respawn that cannot start, tried again with backoff",
+    )
+    assert svc.proc.poll() is None, svc.log()
+    for _ in range(8):  # the other one serves every new connection, none waits on lane 0
+        assert svc.post("github", b"{}", signed(b"{}")).status == 201
+    secret.write_text(SECRET)
+    wait_until(lambda: len(svc.pids("worker")) == 2, what="the respawn booting once it can")
+    assert svc.post("github", b"{}", signed(b"{}")).status == 201
+
+    secret.unlink()
+    for pid in svc.pids("worker"):  # nothing left to serve: now it stops
+        os.kill(pid, signal.SIGKILL)
+    assert svc.proc.wait(30) == 1
+    assert "cannot start (its error is logged above)" in svc.log()
+
+
+def _peak_workers(log: str) -> int:
+    """The most worker processes alive at once, by the supervisor's log."""
+    live: set[str] = set()
+    peak = 0
+    for m in re.finditer(r"worker (\d+) (started|stopped|died)", log):
+        (live.add if m[2] == "started" else live.discard)(m[1])
+        peak = max(peak, len(live))
+    return peak
+
+
+def test_a_burst_of_hups_boots_no_more_workers_than_the_count(
+    make: list[Service], tmp_path: Path
+) -> None:
+    """Each HUP makes the worker still booting for the last one old: it is stopped, not
+    kept alongside the next one's."""
+    svc = service(make, tmp_path).start()
+    for _ in range(20):
+        svc.send(signal.SIGHUP)
+        time.sleep(0.04)
+        svc.received_fields()  # as systemd does: a full notify socket would block it
+    wait_until(lambda: "reload complete" in svc.log(), what="the last reload complete")
+    wait_until(lambda: len(svc.pids("worker")) == 2, what="two workers once it settles")
+    assert _peak_workers(svc.log()) <= 2 * 2, svc.log()  # serving ones and booting ones
+    assert svc.post("github", b"{}", signed(b"{}")).status == 201
+    assert svc.stop() == 0
+
+
+def test_ttin_is_refused_when_no_process_slot_is_free(make: list[Service], tmp_path: Path) -> None:
+    svc = service(make, tmp_path).start()
+    with Segment.attach(svc.segment) as seg:
+        taken = []  # every free slot, held by this live process
+        try:
+            for i in range(seg.layout.params.process_slots):
+                with contextlib.suppress(NoFreeSlot):
+                    taken.append(procs.claim(seg.view, seg.layout, Role.TOOL, index=i))
+            svc.send(signal.SIGTTIN)
+            time.sleep(1.5)
+            assert "TTIN refused" in svc.log()
+            assert "Traceback" not in svc.log()
+            assert svc.log().count("worker ") < 10, svc.log()  # no respawn loop
+            assert len(svc.pids("worker")) == 2
+        finally:
+            for slot in taken:
+                slot.release()
+    svc.send(signal.SIGTTIN)
+    wait_until(lambda: len(svc.pids("worker")) == 3, what="a third worker once slots are free")
+
+
+def test_process_titles_with_a_notify_socket(make: list[Service], tmp_path: Path) -> None:
+    """Under systemd NOTIFY_SOCKET comes anywhere in the environment, and the supervisor
+    takes it out: the titles must survive that. (setproctitle rewrites argv's memory and
+    the environment strings that follow it while they are contiguous; a variable removed
+    before it starts cuts that area short at the variable.)"""
+    svc = service(make, tmp_path)
+    first = [f"NOTIFY_SOCKET={svc.notify_path}"]  # first, as systemd may put it
+    svc.start(argv_prefix=["env", "-i", *first, *(f"{k}={v}" for k, v in svc.env.items())])
+
+    def title(pid: int) -> str:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+
+    name = svc.segment
+    assert title(svc.pid) == f"ankusa-shm: supervisor [{name}]"
+    for pid in svc.pids("worker"):
+        assert title(pid) == f"ankusa-shm: worker [{name}]"
+    (admin,) = svc.pids("admin")
+    assert title(admin) == f"ankusa-shm: admin [{name}]"
+
+
+def test_the_slots_of_exited_children_are_freed(make: list[Service], tmp_path: Path) -> None:
+    """A child never gives its slot back (killed, it cannot): the supervisor frees it
+    once it has reaped it, so the segment lists no process that is gone."""
+    svc = service(make, tmp_path).start()
+    before = svc.pids("worker")
+    os.kill(before[0], signal.SIGKILL)
+    svc.send(signal.SIGHUP)  # every worker and the admin process replaced
+    svc.wait_for("RELOADING=1")
+    svc.wait_for("READY=1")
+    svc.send(signal.SIGTTOU)  # and one worker fewer
+    wait_until(lambda: len(svc.pids("worker")) == 1, what="one worker left")
+    wait_until(lambda: not set(before) & set(svc.pids("worker")), what="the old ones gone")
+    with Segment.attach(svc.segment, readonly=True) as seg:
+        wait_until(
+            lambda: all(p.alive for p in procs.read(seg.view, seg.layout)),
+            timeout=5,
+            what="no slot of a process that is gone",
+        )
+        assert len(procs.read(seg.view, seg.layout)) == 2  # the worker and the admin
+
+
+def test_a_stale_slot_naming_a_workers_pid_does_not_get_it_aborted(
+    make: list[Service], tmp_path: Path
+) -> None:
+    """A slot left by a dead process whose pid the kernel gave to a worker since: its
+    minute-old heartbeat is not the worker's."""
+    svc = service(make, tmp_path, server={"heartbeat_timeout_s": 1.0}).start()
+    worker = svc.pids("worker")[0]
+    with Segment.attach(svc.segment) as seg:
+        last = seg.layout.params.process_slots - 1  # read after the worker's own slot
+        base = seg.layout.offset("processes") + last * L.PROCESS_SLOT_BYTES
+        ticks = (pids.start_ticks(worker) or 0) - 1  # another process, that had the pid
+        seg.view.store(base + L.PS_HEARTBEAT_MS, monotonic_ms() - 60_000)
+        header = (
+            (ticks & L.START_MASK) << L.PS_START_SHIFT
+            | Role.WORKER << L.PS_ROLE_SHIFT
+            | procs.SlotState.RUNNING << L.PS_STATE_SHIFT
+            | worker
+        )
+        seg.view.store(base + L.PS_HEADER, header)
+    time.sleep(3.0)
+    assert f"worker {worker} silent for" not in svc.log()
+    assert worker in svc.pids("worker")
+
+
+def test_a_standalone_drainer_holding_the_queue_is_waited_for(
+    make: list[Service], tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """An ``ankusa-shm drainer`` left running on the segment holds the settle queue: the
+    service's own drainer is not started (nor respawned in a loop) while it does, STATUS
+    says who drains, and ours starts once that one is gone."""
+    svc = service(make, tmp_path, fleet_config(redis_server)).start()
+    assert svc.stop() == 0  # the segment stays
+    alone = subprocess.Popen(
+        [sys.executable, "-m", "ankusa_shm", "drainer", "--config", str(svc.config_path)],
+        env={**svc.env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_until(lambda: svc.pids("drainer") == [alone.pid], what="the standalone draining")
+        svc.start()
+        time.sleep(4.0)
+        log = svc.log().split("re-attached segment")[1]
+        assert not re.search(r"drainer \d+ started", log), log
+        assert f"drained by pid {alone.pid}, not a child" in log
+        ready = [m for m in svc.notifications if "READY=1" in m.split("\n")][-1]
+        assert f"settle queue drained by pid {alone.pid} (not ours)" in ready
+        assert "drainer up" not in ready
+    finally:
+        alone.terminate()
+        assert alone.wait(30) == 0
+    wait_until(lambda: len(svc.pids("drainer")) == 1, what="our drainer once it is gone")
+    body = b"{}"
+    assert svc.post("github", body, signed(body)).status == 201
+    assert svc.stop() == 0

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import uvloop
 
-from ankusa_shm.child import BootError
+from ankusa_shm.child import QUEUE_TAKEN, BootError
 from ankusa_shm.clock import Clock, monotonic_ns
 from ankusa_shm.config import Config
 from ankusa_shm.credentials import MissingSecret, read_secret
@@ -233,7 +233,7 @@ def main(
             uvloop.run(serve())
     except ConsumerTaken as e:  # a second drainer: say so, without a traceback
         log.error("not draining: %s", e)
-        return 2
+        return QUEUE_TAKEN
     return 0
 
 

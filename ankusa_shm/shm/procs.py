@@ -7,7 +7,9 @@ names the holder by pid *and* start ticks, so a holder whose pid was reused by a
 process is seen to be gone (``pids``). The counter row stays with the slot and keeps
 counting; what this holder served is the row less its baseline. The heartbeat is written
 from inside the process's own loop, so a fresh heartbeat means the loop makes progress,
-not merely that the process exists.
+not merely that the process exists. A slot is given back by its holder (``release``) or,
+for a child of the supervisor, which may be killed at any instruction, by the supervisor
+once it has reaped it (``release_dead``).
 """
 
 from __future__ import annotations
@@ -142,6 +144,24 @@ def claim(
         return ProcessSlot(view, lay, i, role)
     where = "any slot" if index is None else f"slot {index}"
     raise NoFreeSlot(f"{where} of {lay.params.process_slots} is held by a live process")
+
+
+def release_dead(view: AtomicView, lay: L.Layout, pid: int) -> int:
+    """Free the slots naming ``pid`` whose holder is gone; how many. A child gives its slot
+    back to nobody (killed or not, it simply exits): the supervisor does it once it has
+    reaped the child, so ``pid`` cannot have gone to another process yet -- and a slot
+    whose (pid, start ticks) names a live process is left alone all the same."""
+    base = lay.offset("processes")
+    freed = 0
+    for i in range(lay.params.process_slots):
+        hdr = base + i * L.PROCESS_SLOT_BYTES + L.PS_HEADER
+        w = view.load(hdr)
+        holder, state, _, start = _unpack(w)
+        if state == SlotState.FREE or holder != pid or pid_alive(holder, start):
+            continue
+        if view.cas(hdr, w, _pack(0, SlotState.FREE, 0, 0)):
+            freed += 1
+    return freed
 
 
 def read(view: AtomicView, lay: L.Layout) -> list[ProcessInfo]:

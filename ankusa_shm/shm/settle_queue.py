@@ -292,6 +292,12 @@ class SettleQueue:
     def consumer_pid(self) -> int:
         return self._view.load(self._consumer)
 
+    def live_consumer(self) -> int | None:
+        """The pid of the live process holding the consumer role; None if nobody does."""
+        ident = self._view.load(self._consumer + (L.Q_CONSUMER_ID - L.Q_CONSUMER))
+        holder = ident & L.PID_MASK
+        return holder if ident and pid_alive(holder, ident >> L.PID_BITS) else None
+
     def become_consumer(self) -> None:
         """Take the consumer role, unless a live process holds it.
 

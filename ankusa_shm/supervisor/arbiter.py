@@ -4,6 +4,7 @@ Signal handlers only enqueue; one main loop does everything else, woken by the s
 pipe, a child's readiness pipe or a one-second tick: reap with ``waitpid(-1, WNOHANG)``,
 handle what was signalled, keep the right children running, and stop a child whose
 heartbeat in the segment went silent (SIGABRT, then SIGKILL after ``KILL_AFTER_S``).
+A reaped child's process slot is freed here: a child never gives it back itself.
 
 - TERM: stop accepting, let the workers finish in-flight requests, then let the drainer
   empty the settle queue; exit 0 within ``server.graceful_timeout_s`` (what is still
@@ -11,11 +12,19 @@ heartbeat in the segment went silent (SIGABRT, then SIGKILL after ``KILL_AFTER_S
 - HUP: read and validate the config again; an invalid one is logged and the old one
   keeps serving. Workers are replaced one at a time -- a new one serves before an old
   one is told to stop -- so no connection is refused. A new worker that cannot boot
-  abandons the reload (the old ones keep serving).
-- TTIN/TTOU: one worker more / less.
-- A child that exits ``BOOT_ERROR`` when nothing else could serve stops the supervisor
-  with its message instead of a respawn loop; any other death is respawned, with
-  backoff when it keeps dying young.
+  abandons the reload (the old ones keep serving); one still booting when another HUP
+  comes is stopped (it never served), so a burst of HUPs boots no more workers at a
+  time than the worker count.
+- TTIN/TTOU: one worker more / less; no more than the segment's process slots allow.
+- The drainer is not started while another live process -- a standalone ``ankusa-shm
+  drainer`` -- holds the settle queue's consumer role: that one drains it (STATUS says
+  so), and ours starts once it is gone. One that finds the role taken exits
+  ``QUEUE_TAKEN`` and waits the same way, instead of a respawn loop.
+- A child that exits ``BOOT_ERROR`` when nothing else could serve -- during the first
+  start, or with no worker left serving -- stops the supervisor with its message instead
+  of a respawn loop. One of a configuration that was superseded is dropped with it; one
+  of the running configuration while workers serve is logged and tried again with
+  backoff. Any other death is respawned, with backoff when it keeps dying young.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from ankusa_shm.config import Config
 from ankusa_shm.shm import procs, requests
 from ankusa_shm.shm.procs import Role
 from ankusa_shm.shm.segment import Segment, make_params
+from ankusa_shm.shm.settle_queue import SettleQueue
 from ankusa_shm.supervisor import sockets as socks
 from ankusa_shm.supervisor.notify import Notifier
 
@@ -111,8 +121,11 @@ class Arbiter:
         self._stop: _Stop | None = None
         self._halt: str | None = None
         self._announced_ready = False
+        self._up = False  # every child of the first start has served: past the first start
         self._last_watchdog = 0.0
         self._seg: Segment | None = None
+        self._queue: SettleQueue | None = None
+        self._other_drainer: int | None = None  # pid of a live consumer that is not ours
         self._listeners: socks.Listeners | None = None
         self._admin_socket: socket.socket | None = None
         # Set when a worker died, or the last supervisor did: the next worker promotes
@@ -129,6 +142,7 @@ class Arbiter:
         self._seg = Segment.open_for_owner(
             cfg.server.segment, make_params(cfg.fleet.settle_queue_size)
         )
+        self._queue = SettleQueue(self._seg.view, self._seg.buf, self._seg.layout)
         if self._seg.header().created_ns < began_ns:  # re-attached: the last owner may have died
             self._recover_since_ms = _recovery_start(cfg)
         try:
@@ -214,11 +228,27 @@ class Arbiter:
         elif sig == signal.SIGHUP:
             self._reload()
         elif sig == signal.SIGTTIN:
+            if self._free_slots() < 2:  # one for it, one for a replacement on reload
+                log.warning(
+                    "TTIN refused: the segment's process slots are taken (%d workers)",
+                    self._target,
+                )
+                return
             self._target += 1
             log.info("one worker more: %d", self._target)
         elif sig == signal.SIGTTOU and self._target > 1:
             self._target -= 1
             log.info("one worker less: %d", self._target)
+
+    def _free_slots(self) -> int:
+        """Process slots of the segment that no live process holds and no child of ours,
+        started or still to be, is about to claim."""
+        assert self._seg is not None
+        lay = self._seg.layout
+        held = [p.pid for p in procs.read(self._seg.view, lay) if p.alive]
+        coming = sum(1 for pid in self._children if pid not in held)
+        workers = sum(1 for c in self._children.values() if c.kind is Kind.WORKER)
+        return lay.params.process_slots - len(held) - coming - max(0, self._target - workers)
 
     # -- children ---------------------------------------------------------------------------
 
@@ -246,7 +276,7 @@ class Arbiter:
                 os.close(c.ready_fd)
         seg, cfg, listeners, admin_socket = self._seg, self.cfg, self._listeners, self._admin_socket
         assert seg is not None and listeners is not None
-        mine = listeners.lane(lane) if kind is Kind.WORKER else []
+        mine = listeners.lane(lane, listen=False) if kind is Kind.WORKER else []
         for s in listeners.all():  # the other lanes' sockets are not this child's
             if s not in mine:
                 s.close()
@@ -299,6 +329,8 @@ class Arbiter:
             c = self._children.pop(pid, None)
             if c is None:
                 continue
+            assert self._seg is not None
+            procs.release_dead(self._seg.view, self._seg.layout, pid)
             if c.ready_fd is not None:
                 os.close(c.ready_fd)
             self._on_exit(c, status)
@@ -312,16 +344,29 @@ class Arbiter:
         if code == child.BOOT_ERROR:
             self._on_boot_error(c)
             return
+        if c.kind is Kind.DRAINER and code == child.QUEUE_TAKEN:
+            return  # started again only once that consumer is gone (``_drainer_elsewhere``)
         log.warning("%s %d died (%s); starting another", c.kind.value, c.pid, how)
         if c.kind is Kind.WORKER:
             self._recover_since_ms = _recovery_start(c.cfg)
-        b = self._backoff[c.kind]
-        young = time.monotonic() - c.started < YOUNG_S
+        self._back_off(c.kind, young=time.monotonic() - c.started < YOUNG_S)
+
+    def _back_off(self, kind: Kind, young: bool) -> None:
+        b = self._backoff[kind]
         b.delay = min(max(2 * b.delay, 0.1), BACKOFF_MAX_S) if young else 0.0
         b.not_before = time.monotonic() + b.delay
 
     def _on_boot_error(self, c: Child) -> None:
-        if c.cfg is self.cfg and self._previous is not None:
+        """Halt only when nothing else could serve; otherwise drop the configuration that
+        cannot start, or keep trying the child of the running one."""
+        if c.cfg is not self.cfg:  # superseded by a later HUP, or already gone back from
+            log.error(
+                "%s %d of a superseded configuration cannot start; dropped",
+                c.kind.value,
+                c.pid,
+            )
+            return
+        if self._previous is not None:
             log.error(
                 "%s %d of the new configuration cannot start; going back to the previous one",
                 c.kind.value,
@@ -332,7 +377,28 @@ class Arbiter:
             self._publish(self.cfg)
             self.notifier.send("READY=1", self._status())
             return  # the failed config's children are now old, and replaced as such
-        self._halt = f"{c.kind.value} {c.pid} cannot start (its error is logged above)"
+        serving = len(self._serving())
+        if not self._up or not serving:
+            self._halt = f"{c.kind.value} {c.pid} cannot start (its error is logged above)"
+            return
+        self._back_off(c.kind, young=True)  # however long it took: it will fail again soon
+        if c.kind is Kind.WORKER and self._listeners is not None:
+            self._listeners.drop(c.lane)  # its connections go to the lanes that are served
+        log.error(
+            "%s %d cannot start; trying again in %.1f s (workers serving: %d)",
+            c.kind.value,
+            c.pid,
+            self._backoff[c.kind].delay,
+            serving,
+        )
+
+    def _serving(self) -> list[Child]:
+        """The workers accepting connections now."""
+        return [
+            c
+            for c in self._children.values()
+            if c.kind is Kind.WORKER and c.ready and not c.retiring and c.abort_sent is None
+        ]
 
     def _retire(self, c: Child) -> None:
         if not c.retiring:
@@ -341,6 +407,9 @@ class Arbiter:
 
     def _keep_running(self, now: float) -> None:
         """Start what is missing; replace old-generation children one at a time."""
+        for c in self._children.values():
+            if c.kind is Kind.WORKER and c.cfg is not self.cfg and not c.ready:
+                self._retire(c)  # still booting on a superseded config: it never served
         live = [c for c in self._children.values() if not c.retiring]
         workers = [c for c in live if c.kind is Kind.WORKER]
         current = [c for c in workers if c.cfg is self.cfg]
@@ -371,7 +440,12 @@ class Arbiter:
             if stale and not d.retiring and not old:  # after the workers, whose settles it drains
                 self._retire(d)
         d_b = self._backoff[Kind.DRAINER]
-        if want_drainer and not drainers and now >= d_b.not_before:
+        if (
+            want_drainer
+            and not drainers
+            and now >= d_b.not_before
+            and not self._drainer_elsewhere()
+        ):
             self._spawn(Kind.DRAINER)  # only once the last one is gone: one consumer
 
         admins = [c for c in self._children.values() if c.kind is Kind.ADMIN]
@@ -390,9 +464,31 @@ class Arbiter:
             self._previous = None
             self.notifier.send("READY=1", self._status())
 
+    def _drainer_elsewhere(self) -> bool:
+        """Whether a live process other than our children holds the settle queue's
+        consumer role; said once when one is found, and once when it is gone."""
+        assert self._queue is not None
+        holder = self._queue.live_consumer()
+        other = holder if holder is not None and holder not in self._children else None
+        if other != self._other_drainer:
+            if other is not None:
+                log.warning(
+                    "the settle queue is drained by pid %d, not a child of this supervisor; "
+                    "no drainer of ours while it does",
+                    other,
+                )
+            else:
+                log.info("the settle queue's other consumer is gone; starting our drainer")
+            self._other_drainer = other
+            self.notifier.send(self._status())
+        return other is not None
+
     def _watch_heartbeats(self, now: float) -> None:
         assert self._seg is not None
-        beats = {p.pid: p.heartbeat_ms for p in procs.read(self._seg.view, self._seg.layout)}
+        # Live slots only: a dead holder's slot may name a pid the kernel has since given
+        # to one of our children, with a heartbeat long stale.
+        live = [p for p in procs.read(self._seg.view, self._seg.layout) if p.alive]
+        beats = {p.pid: p.heartbeat_ms for p in live}
         limit_ms = self.cfg.server.heartbeat_timeout_s * 1000
         now_ms = monotonic_ms()
         for c in self._children.values():
@@ -415,13 +511,17 @@ class Arbiter:
     def _healthy(self) -> bool:
         workers = [c for c in self._children.values() if c.kind is Kind.WORKER]
         ready = [c for c in workers if c.ready and c.abort_sent is None]
-        drainer_ok = not self.cfg.fleet_kinds or any(
-            c.kind is Kind.DRAINER and c.abort_sent is None for c in self._children.values()
+        drainer_ok = (
+            not self.cfg.fleet_kinds
+            or self._other_drainer is not None
+            or any(c.kind is Kind.DRAINER and c.abort_sent is None for c in self._children.values())
         )
         return len(ready) >= self._target and drainer_ok
 
     def _report(self, now: float) -> None:
         healthy = self._healthy()
+        if healthy and all(c.ready for c in self._children.values()):
+            self._up = True
         if healthy and not self._announced_ready:
             self._announced_ready = True
             log.info("ready: %s", self._status())
@@ -436,12 +536,14 @@ class Arbiter:
 
     def _status(self) -> str:
         workers = sum(1 for c in self._children.values() if c.kind is Kind.WORKER and c.ready)
-        drainer = any(c.kind is Kind.DRAINER for c in self._children.values())
         fleet = "+".join(self.cfg.fleet_kinds) or "node only"
-        return (
-            f"STATUS=serving on {self._describe()}: {workers} workers, "
-            f"fleet {fleet}{', drainer up' if drainer else ''}"
-        )
+        if self._other_drainer is not None:
+            drainer = f", settle queue drained by pid {self._other_drainer} (not ours)"
+        elif any(c.kind is Kind.DRAINER for c in self._children.values()):
+            drainer = ", drainer up"
+        else:
+            drainer = ""
+        return f"STATUS=serving on {self._describe()}: {workers} workers, fleet {fleet}{drainer}"
 
     def _publish(self, cfg: Config) -> None:
         """What readers and the children take from the segment: the config snapshot and

@@ -8,8 +8,11 @@ shared by every worker is not even: uvloop accepts until the queue is empty, so 
 worker that wakes first takes a whole burst (measured: 86 % of wrk's 64 connections
 on one of two workers, half the throughput of an even split). A lane's sockets stay
 open in the supervisor while its worker is respawned or replaced, so connections
-queued for it wait instead of being refused. Sockets from systemd are one per address
-and are shared by every lane.
+queued for it wait instead of being refused -- unless its worker cannot start, when
+they are closed until one is started on it again. A lane the supervisor does not hold
+is bound by its worker, which listens on it only once it serves: a worker that fails
+to boot never held connections. Sockets from systemd are one per address and are
+shared by every lane.
 
 ``SO_REUSEPORT`` would as gladly share a port with any other process of the same user:
 a second service started on the same address would take half of the hooks, silently.
@@ -42,15 +45,19 @@ class Listeners:
         self._shared = from_systemd()
         self._lanes: dict[int, list[socket.socket]] = {}
         if self._shared is None:
-            for s in bind(addresses, backlog=0):  # in use by anyone: BindError
+            for s in bind(addresses, self._backlog, listen=False):  # in use by anyone: BindError
                 s.close()
-        self.lane(0)  # bind now: a port in use is an error at start, not at a respawn
+        self._name = describe(self.lane(0))  # bind now: a port in use is an error at start
+        self._closed = False
 
-    def lane(self, i: int) -> list[socket.socket]:
+    def lane(self, i: int, listen: bool = True) -> list[socket.socket]:
+        """Lane ``i``'s sockets, bound now if they are not yet; ``listen=False`` leaves
+        new ones for their worker to listen on once it serves (the kernel gives a lane
+        connections only while it listens)."""
         if self._shared is not None:
             return self._shared
         if i not in self._lanes:
-            self._lanes[i] = bind(self._addresses, self._backlog, reuse_port=True)
+            self._lanes[i] = bind(self._addresses, self._backlog, reuse_port=True, listen=listen)
         return self._lanes[i]
 
     def all(self) -> list[socket.socket]:
@@ -64,18 +71,27 @@ class Listeners:
             for s in self._lanes.pop(i):
                 s.close()
 
+    def drop(self, i: int) -> None:
+        """Close this process's sockets of lane ``i``: its worker cannot start for now, and
+        connections queued on it would wait for nobody. The lane is bound again when a
+        worker is next started on it (systemd's shared sockets stay)."""
+        for s in self._lanes.pop(i, []):
+            s.close()
+
     def close(self) -> None:
         for s in self.all():
             s.close()
         self._lanes.clear()
         self._shared = [] if self._shared is not None else None
+        self._closed = True
 
     def describe(self) -> str:
-        return describe(self.lane(0)) if self._shared or self._lanes else "nothing"
+        return self._name if not self._closed else "nothing"
 
 
-def bind(addresses: list[str], backlog: int, reuse_port: bool = False) -> list[socket.socket]:
-    """Bound sockets, listening unless ``backlog`` is 0."""
+def bind(
+    addresses: list[str], backlog: int, reuse_port: bool = False, listen: bool = True
+) -> list[socket.socket]:
     socks: list[socket.socket] = []
     try:
         for address in addresses:
@@ -90,7 +106,7 @@ def bind(addresses: list[str], backlog: int, reuse_port: bool = False) -> list[s
                 sock.bind((host, port))
             except OSError as e:
                 raise BindError(f"cannot listen on {address}: {e.strerror}") from None
-            if backlog:
+            if listen:
                 sock.listen(backlog)
             sock.setblocking(False)
     except BaseException:
