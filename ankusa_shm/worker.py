@@ -104,7 +104,7 @@ class Worker:
         fleet.set_overrides(overrides.read(seg.blob("overrides")))
         follow = loop.create_task(overrides.follow(seg.blob("overrides"), fleet.set_overrides))
         server = HttpServer(path, Limits.of(cfg.server), observer.answered if observer else None)
-        await server.start(self._sockets)
+        await server.start(self._sockets, cfg.server.backlog)
 
         life = Life(self._slot)
         life.start()

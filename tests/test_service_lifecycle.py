@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import sqlite3
@@ -274,6 +275,24 @@ def listening_sockets(port: int) -> int:
     """LISTEN sockets on ``port``: one per worker lane (shared fds are one socket)."""
     rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
     return sum(1 for r in rows if r.split()[1].endswith(f":{port:04X}") and r.split()[3] == "0A")
+
+
+def listen_backlogs(port: int) -> list[int]:
+    """The backlog of each LISTEN socket on ``port`` (``ss``'s Send-Q for a listener)."""
+    out = subprocess.run(
+        ["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True, check=True
+    ).stdout
+    return sorted(int(line.split()[2]) for line in out.splitlines())
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="ss is not installed (iproute2)")
+def test_the_listeners_keep_the_configured_backlog(make: list[Service], tmp_path: Path) -> None:
+    """The event loop listens on each socket again when it starts serving on it, with its
+    own default of 100 unless told: server.backlog must survive that."""
+    svc = service(make, tmp_path, server={"backlog": 1234}).start()
+    wait_until(lambda: listening_sockets(svc.port) == 2, what="both lanes listening")
+    assert listen_backlogs(svc.port) == [1234, 1234]
+    assert listen_backlogs(svc.admin_port) == [128]
 
 
 def test_ttin_and_ttou_change_the_worker_count(make: list[Service], tmp_path: Path) -> None:

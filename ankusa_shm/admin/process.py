@@ -33,6 +33,7 @@ from ankusa_shm.shm.segment import Segment
 from ankusa_shm.shm.turns import Turns
 from ankusa_shm.store.schema import StoreError
 from ankusa_shm.store.writer import wall_ms
+from ankusa_shm.supervisor.sockets import ADMIN_BACKLOG
 
 log = logging.getLogger("ankusa_shm.admin")
 
@@ -85,7 +86,7 @@ async def _serve(
     watch = CommitWatch(CommitWord(seg.view, seg.layout))
     app = App(cfg, seg, fleet, store, ConsumerApi(store, watch), token)
     server = HttpServer(app, Limits.of(cfg.server))
-    await server.start([sock])
+    await server.start([sock], ADMIN_BACKLOG)
 
     life = Life(slot)
     life.start()

@@ -459,10 +459,14 @@ class HttpServer:
         self._servers: list[asyncio.Server] = []
         self._sweeper: asyncio.Task[None] | None = None
 
-    async def start(self, sockets: list[socket.socket]) -> None:
+    async def start(self, sockets: list[socket.socket], backlog: int) -> None:
+        """Serve on ``sockets``. The loop listens on each again, with ``backlog`` (its own
+        default of 100 would otherwise replace what they were bound with)."""
         loop = asyncio.get_running_loop()
         for sock in sockets:
-            srv = await loop.create_server(lambda: Connection(self, loop), sock=sock)
+            srv = await loop.create_server(
+                lambda: Connection(self, loop), sock=sock, backlog=backlog
+            )
             self._servers.append(srv)
         self._sweeper = loop.create_task(self._sweep())
 

@@ -56,7 +56,6 @@ from ankusa_shm.supervisor.notify import Notifier
 
 log = logging.getLogger("ankusa_shm.supervisor")
 
-ADMIN_BACKLOG = 128
 KILL_AFTER_S = 2.0  # SIGABRT, then SIGKILL if it is still there
 FAST_STOP_S = 2.0  # INT/QUIT: how long children get before SIGKILL
 YOUNG_S = 1.0  # a child dying younger than this backs off its respawn
@@ -150,7 +149,7 @@ class Arbiter:
             overrides.publish_stored(self._seg.blob("overrides"), cfg.store.path)
             self._listeners = socks.Listeners(cfg.server.listen, cfg.server.backlog)
             if cfg.server.admin_listen:
-                (self._admin_socket,) = socks.bind([cfg.server.admin_listen], ADMIN_BACKLOG)
+                (self._admin_socket,) = socks.bind([cfg.server.admin_listen], socks.ADMIN_BACKLOG)
             self._install_signals()
             setproctitle.setproctitle(f"ankusa-shm: supervisor [{self._seg.name.lstrip('/')}]")
             log.info(
