@@ -196,6 +196,30 @@ def test_a_killed_supervisor_restarts_on_its_segment_and_loses_nothing_queued(
     assert svc.stop() == 0
 
 
+def test_a_supervisor_restarted_long_after_its_crash_still_recovers(
+    make: list[Service], tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """The recovery looks back from the crash, not from the restart: with the last
+    workers' heartbeats as the moment of the crash, a restart seconds later (past
+    lock_timeout_ms and the second added to it) still promotes the hooks stored just
+    before it."""
+    svc = service(
+        make, tmp_path, fleet_config(redis_server), store={"lock_timeout_ms": 200}
+    ).start()
+    with Load(svc.port, threads=2) as load:
+        time.sleep(1.0)
+    assert len(load.tally.accepted) > 20
+    svc.send(signal.SIGKILL)
+    assert svc.proc is not None and svc.proc.wait(10) == -signal.SIGKILL
+    wait_until(lambda: not svc.children(), what="the children gone with their supervisor")
+    time.sleep(3.0)  # three times the window the recovery would look back from a restart
+    svc.start()
+    wait_until(lambda: "recovery:" in svc.log(), what="the recovery")
+    found = re.search(r"recovery: (\d+) promotes queued", svc.log())
+    assert found is not None and int(found.group(1)) > 0  # before: 0, the window was empty
+    assert svc.stop() == 0
+
+
 def test_a_silent_worker_is_aborted_and_replaced(make: list[Service], tmp_path: Path) -> None:
     svc = service(make, tmp_path, server={"heartbeat_timeout_s": 1.5}).start()
     frozen = svc.pids("worker")[0]

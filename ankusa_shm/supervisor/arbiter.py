@@ -143,7 +143,7 @@ class Arbiter:
         )
         self._queue = SettleQueue(self._seg.view, self._seg.buf, self._seg.layout)
         if self._seg.header().created_ns < began_ns:  # re-attached: the last owner may have died
-            self._recover_since_ms = _recovery_start(cfg)
+            self._recover_since_ms = _recovery_start(cfg, _last_heard_ms(self._seg))
         try:
             self._publish(cfg)
             overrides.publish_stored(self._seg.blob("overrides"), cfg.store.path)
@@ -644,11 +644,27 @@ def _keep_restart_only(old: Config, new: Config) -> Config:
     return dataclasses.replace(new, server=server, fleet=fleet)
 
 
-def _recovery_start(cfg: Config) -> int:
+def _recovery_start(cfg: Config, crashed_ms: int | None = None) -> int:
     """Wall ms from which a crashed worker's commits may be unsettled: a hook is
     committed at most ``lock_timeout_ms`` after it was received, and a second more
-    covers the transaction itself."""
-    return time.time_ns() // 1_000_000 - cfg.store.lock_timeout_ms - 1_000
+    covers the transaction itself. ``crashed_ms`` is when the crash was (wall ms), if
+    not just now."""
+    now_ms = time.time_ns() // 1_000_000
+    return min(now_ms, crashed_ms or now_ms) - cfg.store.lock_timeout_ms - 1_000
+
+
+def _last_heard_ms(seg: Segment) -> int | None:
+    """When the last supervisor's workers were last heard from, on the wall clock: their
+    latest heartbeat (monotonic, so it keeps across processes) moved to it. A restart
+    that comes long after a crash must still look back from the crash."""
+    beats = [
+        p.heartbeat_ms
+        for p in procs.read(seg.view, seg.layout)
+        if p.role == Role.WORKER.name.lower() and not p.alive and p.heartbeat_ms
+    ]
+    if not beats:
+        return None
+    return time.time_ns() // 1_000_000 - (monotonic_ms() - max(beats))
 
 
 def _kill(pid: int, sig: int) -> None:
