@@ -220,6 +220,43 @@ def test_a_supervisor_restarted_long_after_its_crash_still_recovers(
     assert svc.stop() == 0
 
 
+def test_two_services_started_together_on_a_dead_owners_segment_one_wins(
+    make: list[Service], tmp_path: Path
+) -> None:
+    """The same config twice at once, on a segment its owner left by dying: the ports are
+    taken before the segment, so the loser stops at the port and never writes itself into
+    the segment as its owner (it did: /healthz then said supervisor_gone while serving)."""
+    svc = service(make, tmp_path).start()
+    svc.send(signal.SIGKILL)
+    assert svc.proc is not None and svc.proc.wait(10) == -signal.SIGKILL
+    wait_until(lambda: not svc.children(), what="the children gone with their supervisor")
+    argv = [sys.executable, "-m", "ankusa_shm", "serve", "--config", str(svc.config_path)]
+    logs = [open(tmp_path / f"race-{i}.log", "wb") for i in range(2)]  # noqa: SIM115
+    procs_ = [subprocess.Popen(argv, env=svc.env, stdout=f, stderr=f) for f in logs]
+    try:
+        wait_until(lambda: any(p.poll() is not None for p in procs_), what="one of them stopping")
+        (loser,) = [p for p in procs_ if p.poll() is not None]
+        (winner,) = [p for p in procs_ if p.poll() is None]
+        assert loser.returncode == 2
+
+        def healthy() -> bool:
+            try:
+                return svc.admin("GET", "/healthz")[0] == 200
+            except OSError:
+                return False
+
+        wait_until(healthy, what="the winner serving")
+        with Segment.attach(svc.segment, readonly=True) as seg:
+            assert seg.header().owner_pid == winner.pid
+    finally:
+        for p in procs_:
+            if p.poll() is None:
+                p.terminate()
+            p.wait(30)
+        for f in logs:
+            f.close()
+
+
 def test_a_silent_worker_is_aborted_and_replaced(make: list[Service], tmp_path: Path) -> None:
     svc = service(make, tmp_path, server={"heartbeat_timeout_s": 1.5}).start()
     frozen = svc.pids("worker")[0]

@@ -138,18 +138,20 @@ class Arbiter:
     def run(self) -> int:
         cfg = self.cfg
         began_ns = time.time_ns()
-        self._seg = Segment.open_for_owner(
-            cfg.server.segment, make_params(cfg.fleet.settle_queue_size)
-        )
-        self._queue = SettleQueue(self._seg.view, self._seg.buf, self._seg.layout)
-        if self._seg.header().created_ns < began_ns:  # re-attached: the last owner may have died
-            self._recover_since_ms = _recovery_start(cfg, _last_heard_ms(self._seg))
         try:
-            self._publish(cfg)
-            overrides.publish_stored(self._seg.blob("overrides"), cfg.store.path)
+            # The sockets before the segment: a second service started on the same ports
+            # stops here, before it has touched the segment of the one running.
             self._listeners = socks.Listeners(cfg.server.listen, cfg.server.backlog)
             if cfg.server.admin_listen:
                 (self._admin_socket,) = socks.bind([cfg.server.admin_listen], socks.ADMIN_BACKLOG)
+            self._seg = Segment.open_for_owner(
+                cfg.server.segment, make_params(cfg.fleet.settle_queue_size)
+            )
+            self._queue = SettleQueue(self._seg.view, self._seg.buf, self._seg.layout)
+            if self._seg.header().created_ns < began_ns:  # re-attached: its owner may have died
+                self._recover_since_ms = _recovery_start(cfg, _last_heard_ms(self._seg))
+            self._publish(cfg)
+            overrides.publish_stored(self._seg.blob("overrides"), cfg.store.path)
             self._install_signals()
             setproctitle.setproctitle(f"ankusa-shm: supervisor [{self._seg.name.lstrip('/')}]")
             log.info(
@@ -166,7 +168,8 @@ class Arbiter:
             if self._admin_socket is not None:
                 self._admin_socket.close()
             self.notifier.close()
-            self._seg.close()
+            if self._seg is not None:
+                self._seg.close()
 
     def _loop(self) -> int:
         while True:
