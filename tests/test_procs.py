@@ -178,7 +178,7 @@ def test_release_dead_frees_only_a_gone_holders_slots(seg: Segment) -> None:
     held, done = CTX.Event(), CTX.Event()
     with Children() as kids:
         child = kids.start(_hold_slot, seg.name, 2, held, done)
-        assert held.wait(60)
+        assert held.wait(60) and child.pid is not None
         mine = procs.claim(seg.view, seg.layout, Role.WORKER, index=0)
         assert procs.release_dead(seg.view, seg.layout, child.pid) == 0  # alive: kept
         assert procs.release_dead(seg.view, seg.layout, os.getpid()) == 0
