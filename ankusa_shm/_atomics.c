@@ -6,7 +6,7 @@
  * whole of the C in ankusa-shm: one type, AtomicView, that holds a buffer
  * export (so the mapping cannot be closed underneath it) and performs load,
  * store, fetch-add and compare-and-swap on aligned signed 64-bit words at a
- * byte offset, and one function, crc32. Everything else is Python.
+ * byte offset, and two functions, crc32 and file_ids. Everything else is Python.
  *
  * Four hot routines live here too, because benchmarks showed they pay: the node rate
  * limiter's GCRA take (slot lookup + compare-and-swap of the TAT word), which costs several
@@ -18,7 +18,10 @@
  * turn comes (shm/turns.py): polled from Python, every look took the GIL back from the
  * busy event loop of its process. And crc32, a settle record's check, computed over a
  * bytes object in place: zlib.crc32 (a buffer export, and a slice of the record to give
- * it) put the queue's push + pop over its 3 us target in bench_shm.py. The
+ * it) put the queue's push + pop over its 3 us target in bench_shm.py. And file_ids, a
+ * stat() that keeps the GIL, for the store's check of its files after every batch
+ * (store/schema.py): os.stat let go of the GIL three times a batch and cost fleet scope
+ * 5-10 % of its hooks/s (bench_http.py, paired rounds). The
  * formats are layout.py's; GCRA_FORMAT and BREAKER_FORMAT export the constants below so
  * gcra.py and breaker.py can refuse to run against a layout that disagrees.
  *
@@ -29,8 +32,10 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <limits.h>
+#include <errno.h>
 #include <linux/futex.h>
 #include <stdint.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -567,9 +572,51 @@ static PyTypeObject AtomicViewType = {
     .tp_getset = av_getset,
 };
 
+/* file_ids(path, ...): (st_dev, st_ino) of each, or None if one is missing; stat()
+ * with the GIL held. The store's writer thread checks its files this way after every
+ * batch, before anyone is answered; os.stat lets go of the GIL for each call, and each
+ * time the busy event loop of its process took it, which cost fleet scope several
+ * percent of its hooks/s (bench_http.py, paired rounds). */
+static PyObject *
+file_ids(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *out = PyTuple_New(nargs);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        PyObject *path = NULL;
+        if (!PyUnicode_FSConverter(args[i], &path)) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        struct stat st;
+        int rc = stat(PyBytes_AS_STRING(path), &st);
+        int err = errno;
+        Py_DECREF(path);
+        if (rc != 0) {
+            Py_DECREF(out);
+            if (err == ENOENT || err == ENOTDIR)
+                Py_RETURN_NONE;
+            errno = err;
+            return PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, args[i]);
+        }
+        PyObject *id = Py_BuildValue("(KK)", (unsigned long long)st.st_dev,
+                                     (unsigned long long)st.st_ino);
+        if (id == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, i, id);
+    }
+    return out;
+}
+
 static PyMethodDef module_methods[] = {
     {"crc32", (PyCFunction)(void (*)(void))crc32_bytes, METH_FASTCALL,
      "crc32(data, start, end) -> int: zlib's CRC-32 of data[start:end] (data: bytes)."},
+    {"file_ids", (PyCFunction)(void (*)(void))file_ids, METH_FASTCALL,
+     "file_ids(path, ...) -> ((st_dev, st_ino), ...) | None: stat() without letting go\n"
+     "of the GIL; None if a path does not exist."},
     {NULL, NULL, 0, NULL},
 };
 

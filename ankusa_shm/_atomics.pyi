@@ -4,6 +4,7 @@ GCRA_FORMAT: tuple[int, int, int, int, int, int, int]
 BREAKER_FORMAT: tuple[int, int, int, int, int]
 
 def crc32(data: bytes, start: int, end: int, /) -> int: ...
+def file_ids(*paths: str) -> tuple[tuple[int, int], ...] | None: ...
 
 class AtomicView:
     """Sequentially consistent 64-bit atomics on aligned words of a buffer."""

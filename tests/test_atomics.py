@@ -1,20 +1,23 @@
-"""The C extension: checked offsets, read-only and released views, and real atomicity."""
+"""The C extension: checked offsets, read-only and released views, real atomicity, and
+its stat() that keeps the GIL."""
 
 from __future__ import annotations
 
 import bisect
 import mmap
+import os
 import random
 import threading
 import time
 import zlib
 from collections.abc import Iterator
 from multiprocessing.synchronize import Barrier
+from pathlib import Path
 
 import pytest
 from proc_helpers import CTX, run_children
 
-from ankusa_shm._atomics import AtomicView, crc32
+from ankusa_shm._atomics import AtomicView, crc32, file_ids
 from ankusa_shm.shm import layout as L
 from ankusa_shm.shm.segment import Segment
 
@@ -278,3 +281,21 @@ def test_a_view_with_a_waiter_cannot_be_released(page: mmap.mmap) -> None:
     assert len(seen) == 1 and isinstance(seen[0], BufferError)
     v.release()
     assert v.size == 0
+
+
+def test_file_ids_are_stat_s_device_and_inode(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_bytes(b"")
+    b.write_bytes(b"")
+    ids = file_ids(str(a), str(b))
+    assert ids == tuple((os.stat(p).st_dev, os.stat(p).st_ino) for p in (a, b))
+    assert file_ids(str(a), str(tmp_path / "missing")) is None
+    assert file_ids(str(a / "under-a-file")) is None  # ENOTDIR: missing too
+    with open(b, "rb"):  # held open, as a store's connection holds its files
+        b.unlink()
+        b.write_bytes(b"")  # the same name, another file
+        assert file_ids(str(a), str(b)) != ids
+    with pytest.raises(TypeError):
+        file_ids(3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        file_ids("nul\0byte")

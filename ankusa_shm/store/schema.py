@@ -20,6 +20,8 @@ import sqlite3
 from pathlib import Path
 from typing import Literal
 
+from ankusa_shm import _atomics
+
 APPLICATION_ID = 0x616E6B75  # "anku": marks the file as an ankusa-shm store
 
 # ``seq`` is the commit order and the consumer cursor. AUTOINCREMENT because a cursor must
@@ -94,12 +96,12 @@ def file_ids(path: str | Path, *, writer: bool = True) -> FileIds | None:
     An open connection goes on writing to the files it opened whatever becomes of their
     names: a store deleted or replaced under a running service would take every later
     commit with it, each one answered as stored. So a connection notes these at open and
-    compares them after a commit, before anyone is answered (``same_files``)."""
-    names = (str(path), f"{path}-wal", f"{path}-shm") if writer else (str(path),)
-    try:
-        return tuple((st.st_dev, st.st_ino) for st in map(os.stat, names))
-    except FileNotFoundError:
-        return None
+    compares them after a commit, before anyone is answered (``same_files``). Without
+    letting go of the GIL (``_atomics.file_ids``): a writer thread that does, three
+    times a batch, waits each time for its busy event loop to give it back."""
+    if writer:
+        return _atomics.file_ids(str(path), f"{path}-wal", f"{path}-shm")
+    return _atomics.file_ids(str(path))
 
 
 def same_files(path: str | Path, ids: FileIds | None, *, writer: bool = True) -> bool:
