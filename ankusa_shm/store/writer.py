@@ -527,10 +527,11 @@ class Writer:
             items, results, hooks = self._transaction()
         finally:
             self._release()
+        held = time.monotonic_ns() - got
         if hooks and not schema.same_files(self.path, self._ids):
             results, hooks = [UNAVAILABLE] * len(results), self._replaced(hooks)
         if hooks and self._on_commit is not None:
-            self._on_commit(hooks, got - asked, time.monotonic_ns() - got)
+            self._on_commit(hooks, got - asked, held)
         # Claims are settled once the lock is let go: the next writer's turn does not wait
         # for a batch's pushes onto the settle queue.
         self._hand_back(self._outcomes(items, results))
