@@ -82,6 +82,26 @@ def test_ready_and_watchdog_reach_the_notify_socket(make: list[Service], tmp_pat
     assert "STOPPING=1" in svc.received_fields()
 
 
+def test_a_notify_receiver_that_does_not_read_never_stops_the_supervisor(
+    make: list[Service], tmp_path: Path
+) -> None:
+    """A datagram socket queues ten messages: with a watchdog ping every 0.1 s and nobody
+    reading, a blocking send stopped the loop that reaps and replaces children. Now the
+    messages wait and a killed worker is still replaced; they arrive once read again."""
+    svc = service(make, tmp_path)
+    svc.start(env={"WATCHDOG_USEC": "200000"})
+    time.sleep(2.0)  # twenty pings: the receiver's queue is full
+    victim = svc.pids("worker")[0]
+    os.kill(victim, signal.SIGKILL)
+    wait_until(
+        lambda: len(svc.pids("worker")) == 2 and victim not in svc.pids("worker"),
+        what="the killed worker replaced while nobody reads the notify socket",
+    )
+    assert "the receiver is not reading" in svc.log()
+    wait_until(lambda: "WATCHDOG=1" in svc.received_fields(), what="the pings, once read")
+    assert svc.stop() == 0
+
+
 def test_a_killed_worker_is_replaced_and_no_accepted_hook_is_lost(
     make: list[Service], tmp_path: Path
 ) -> None:

@@ -521,6 +521,7 @@ class Arbiter:
         return len(ready) >= self._target and drainer_ok
 
     def _report(self, now: float) -> None:
+        self.notifier.flush()  # what a slow receiver left waiting
         healthy = self._healthy()
         if healthy and all(c.ready for c in self._children.values()):
             self._up = True
