@@ -61,7 +61,14 @@ class Worker:
 
     async def _recover(self, fleet: Fleet, since_ms: int) -> None:
         try:
-            hooks = await asyncio.to_thread(readers.claimed_since, self._cfg.store.path, since_ms)
+            # No more than the settle queue holds: a restart long after its crash must
+            # not read (and try to queue) days of hooks.
+            hooks = await asyncio.to_thread(
+                readers.claimed_since,
+                self._cfg.store.path,
+                since_ms,
+                self._cfg.fleet.settle_queue_size,
+            )
         except StoreError as e:
             log.warning("recovery: cannot read the store: %s", e)
             return

@@ -516,9 +516,11 @@ def test_claimed_since_finds_the_recent_keyed_hooks_across_pages(tmp_path: Path)
     r = readers.Reader(cfg.path)
     try:
         found = r.claimed_since(5_000)
+        newest = r.claimed_since(5_000, limit=1_500)  # across a page boundary too
     finally:
         r.close()
     assert [h for _, _, _, h, _ in found] == [h.id for h in reversed(recent)]
+    assert [h for _, _, _, h, _ in newest] == [h.id for h in reversed(recent)][:1_500]
     tenant, source, key, _, expires = found[-1]
     assert (tenant, source, key) == (recent[0].tenant, recent[0].source, b"new-0")
     assert expires > 0

@@ -137,17 +137,19 @@ class Reader:
         docs = [head[:-1] + _doc_tail(key, body) for _, head, key, body in rows]
         return docs, rows[-1][0] if rows else after_seq
 
-    def claimed_since(self, received_ms: int) -> list[tuple[str, str, bytes, str, int]]:
+    def claimed_since(
+        self, received_ms: int, limit: int = 1 << 62
+    ) -> list[tuple[str, str, bytes, str, int]]:
         """(tenant, source, event key, hook id, expires_ms) of every hook received at or
-        after ``received_ms`` that holds its key in the dedupe index: what a crashed
-        worker may have committed without settling. Read from the newest back, a page at
-        a time, so it costs what is that recent, not the table."""
+        after ``received_ms`` that holds its key in the dedupe index, the newest ``limit``
+        of them: what a crashed worker may have committed without settling. Read from the
+        newest back, a page at a time, so it costs what is that recent, not the table."""
         out: list[tuple[str, str, bytes, str, int]] = []
         below = 1 << 62
         while True:
             rows = self._rows(_CLAIMED, [below, _RECENT_PAGE])
             for seq, received, tenant, source, key, hook_id, expires in rows:
-                if received < received_ms:
+                if received < received_ms or len(out) >= limit:
                     return out
                 out.append((tenant, source, bytes(key), hook_id, expires))
                 below = seq
@@ -262,9 +264,11 @@ def get(path: str | Path, hook_id: str) -> StoredHook | None:
     return _once(path, lambda r: r.get(hook_id))
 
 
-def claimed_since(path: str | Path, received_ms: int) -> list[tuple[str, str, bytes, str, int]]:
+def claimed_since(
+    path: str | Path, received_ms: int, limit: int = 1 << 62
+) -> list[tuple[str, str, bytes, str, int]]:
     """``Reader.claimed_since`` on a reader of its own."""
-    return _once(path, lambda r: r.claimed_since(received_ms))
+    return _once(path, lambda r: r.claimed_since(received_ms, limit))
 
 
 def count(path: str | Path) -> int:
