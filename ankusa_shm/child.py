@@ -63,13 +63,15 @@ def settle_heap() -> None:
 
 class Life:
     """A serving child's event-loop side: SIGTERM asks it to stop gracefully, SIGINT and
-    SIGQUIT to stop now, and its heartbeat goes into its slot every ``HEARTBEAT_S`` from
-    the loop itself -- so a fresh heartbeat proves the loop turns. A child whose parent
-    is gone stops too (PR_SET_PDEATHSIG normally kills it first)."""
+    SIGQUIT to stop now (``hurry`` is set, also when a graceful stop is under way), and
+    its heartbeat goes into its slot every ``HEARTBEAT_S`` from the loop itself -- so a
+    fresh heartbeat proves the loop turns. A child whose parent is gone stops too
+    (PR_SET_PDEATHSIG normally kills it first)."""
 
     def __init__(self, slot: ProcessSlot) -> None:
         self._slot = slot
         self._stop = asyncio.Event()
+        self.hurry = asyncio.Event()
         self.graceful = True
         self._beat: asyncio.Task[None] | None = None
 
@@ -89,6 +91,7 @@ class Life:
 
     def _now(self) -> None:
         self.graceful = False
+        self.hurry.set()
         self._stop.set()
 
     async def _heartbeat(self, parent: int) -> None:

@@ -119,7 +119,7 @@ class Worker:
         self._ready()
         graceful = await life.stopped()
         follow.cancel()
-        await server.stop(graceful, cfg.server.graceful_timeout_s)
+        await server.stop(graceful, cfg.server.graceful_timeout_s, life.hurry)
         await writer.close()
         await fleet.close()
         return 0

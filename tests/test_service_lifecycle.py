@@ -178,6 +178,24 @@ def test_term_answers_a_request_begun_and_a_connection_just_taken(
     assert svc.proc is not None and svc.proc.wait(30) == 0
 
 
+def test_int_after_term_cuts_a_graceful_stop_short(make: list[Service], tmp_path: Path) -> None:
+    """SIGINT while the workers drain a stuck client: they stop now, instead of draining
+    on until the supervisor kills them."""
+    svc = service(make, tmp_path, server={"graceful_timeout_s": 30}).start()
+    stuck = socket.create_connection(("127.0.0.1", svc.port), timeout=30)
+    stuck.sendall(_request_head(b'{"a": 1}'))  # and never the body
+    time.sleep(0.3)
+    svc.send(signal.SIGTERM)
+    time.sleep(0.5)  # draining, held up by the stuck client
+    started = time.monotonic()
+    svc.send(signal.SIGINT)
+    assert svc.proc is not None and svc.proc.wait(30) == 0
+    assert time.monotonic() - started < 1.5  # the supervisor kills at 2 s
+    assert "SIGKILL" not in svc.log()
+    assert "cut short" in svc.log()
+    stuck.close()
+
+
 def test_a_killed_supervisor_restarts_on_its_segment_and_loses_nothing_queued(
     make: list[Service], tmp_path: Path, redis_server: RedisServer
 ) -> None:

@@ -481,19 +481,28 @@ class HttpServer:
         for srv in self._servers:
             srv.close()
 
-    async def stop(self, graceful: bool, timeout_s: float) -> None:
-        """Graceful: ``drain``, logging what did not finish; else stop accepting now."""
+    async def stop(
+        self, graceful: bool, timeout_s: float, hurry: asyncio.Event | None = None
+    ) -> None:
+        """Graceful: ``drain``, logging what did not finish; else stop accepting now.
+        ``hurry`` set cuts a graceful stop short (SIGINT after SIGTERM)."""
         if not graceful:
             self.stop_accepting()
-        elif not await self.drain(timeout_s):
-            log.warning("graceful timeout: %d connections still busy", len(self.connections))
+        elif not await self.drain(timeout_s, hurry):
+            busy = len(self.connections)
+            if hurry is not None and hurry.is_set():
+                log.warning("told to stop now: %d connections cut short", busy)
+            else:
+                log.warning("graceful timeout: %d connections still busy", busy)
 
-    async def drain(self, timeout_s: float) -> bool:
+    async def drain(self, timeout_s: float, hurry: asyncio.Event | None = None) -> bool:
         """Stop accepting, let in-flight requests finish; True if all did in time."""
         self.stopping = True
         self.stop_accepting()
         deadline = time.monotonic() + timeout_s
         while self.connections and time.monotonic() < deadline:
+            if hurry is not None and hurry.is_set():
+                break
             for conn in list(self.connections):
                 conn.stop()
             await asyncio.sleep(0.01)
