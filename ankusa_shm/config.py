@@ -422,6 +422,16 @@ class Config:
         kinds = (("rate_limit", self.rate_limits.scope), ("dedupe", self.dedupe.scope))
         return tuple(k for k, scope in kinds if scope == "fleet")
 
+    @property
+    def workers_drain_s(self) -> float:
+        """On SIGTERM, how long the workers may finish in-flight requests: the graceful
+        timeout less what is stopped after them within it -- the drainer's last deliveries
+        (with a fleet scope) and a second for the admin process -- but at least half of
+        it. Taking all of it left those none: they were killed at the deadline."""
+        g = self.server.graceful_timeout_s
+        after = 1.0 + (self.fleet.drain_on_stop_ms / 1000 if self.fleet_kinds else 0.0)
+        return max(g - after, g / 2)
+
     def source(self, source_id: str) -> Source | None:
         return next((s for s in self.sources if s.id == source_id), None)
 

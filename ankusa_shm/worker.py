@@ -3,8 +3,9 @@
 It builds, after the fork, everything it owns -- the store's writer thread and connection,
 the fleet store's Redis connection, the HTTP server -- then tells the supervisor it serves
 and heartbeats into its process slot from the loop, so a heartbeat proves the loop turns.
-SIGTERM: stop accepting, finish in-flight requests (up to ``graceful_timeout_s``), let the
-writer commit what it holds, exit. SIGINT/SIGQUIT: the same without waiting for clients.
+SIGTERM: stop accepting, finish in-flight requests (for up to ``workers_drain_s``: the
+graceful timeout less what the drainer and the admin process need after the workers), let
+the writer commit what it holds, exit. SIGINT/SIGQUIT: the same without waiting for clients.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ class Worker:
         self._ready()
         graceful = await life.stopped()
         follow.cancel()
-        await server.stop(graceful, cfg.server.graceful_timeout_s, life.hurry)
+        await server.stop(graceful, cfg.workers_drain_s, life.hurry)
         await writer.close()
         await fleet.close()
         return 0

@@ -104,6 +104,23 @@ def test_defaults_and_an_empty_file(tmp_path: Path) -> None:
     assert empty.origin != d.origin
 
 
+@pytest.mark.parametrize(
+    ("text", "drain_s"),
+    [
+        ("", 29.0),  # node scope: the admin's second
+        ('[server]\ngraceful_timeout_s = 20\n[dedupe]\nscope = "fleet"\n', 14.0),
+        ('[server]\ngraceful_timeout_s = 2\n[dedupe]\nscope = "fleet"\n', 1.0),  # half
+        ("[server]\ngraceful_timeout_s = 0\n", 0.0),
+    ],
+)
+def test_workers_drain_for_the_graceful_timeout_less_what_follows(
+    tmp_path: Path, text: str, drain_s: float
+) -> None:
+    """The drainer (drain_on_stop_ms, 5 s by default, with a fleet scope) and the admin
+    process stop after the workers, within the same graceful timeout."""
+    assert config.load(write(tmp_path, text)).workers_drain_s == drain_s
+
+
 def test_public_snapshot_carries_no_secrets(tmp_path: Path) -> None:
     text = REFERENCE.replace(
         "settle_queue_size = 50000", 'settle_queue_size = 50000\npassword_file = "/run/pw"'

@@ -196,6 +196,27 @@ def test_int_after_term_cuts_a_graceful_stop_short(make: list[Service], tmp_path
     stuck.close()
 
 
+def test_a_stuck_client_leaves_the_drainer_its_time_on_term(
+    make: list[Service], tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """The workers drain for the graceful timeout less what comes after them, so a client
+    that never finishes its request no longer takes all of it: the drainer and the admin
+    process are stopped by TERM, not killed at the deadline."""
+    rest = fleet_config(redis_server, "drain_on_stop_ms = 2000\n")
+    svc = service(make, tmp_path, rest, server={"graceful_timeout_s": 6}).start()
+    stuck = socket.create_connection(("127.0.0.1", svc.port), timeout=30)
+    stuck.sendall(_request_head(b'{"a": 1}'))  # and never the body
+    time.sleep(0.3)
+    started = time.monotonic()
+    svc.send(signal.SIGTERM)
+    assert svc.proc is not None and svc.proc.wait(30) == 0
+    assert time.monotonic() - started < 5.5  # the workers' 3 s, then the others
+    log = svc.log()
+    assert "graceful timeout: 1 connections still busy" in log
+    assert "killing them" not in log and "SIGKILL" not in log
+    stuck.close()
+
+
 def test_a_killed_supervisor_restarts_on_its_segment_and_loses_nothing_queued(
     make: list[Service], tmp_path: Path, redis_server: RedisServer
 ) -> None:
