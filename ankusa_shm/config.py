@@ -30,7 +30,7 @@ Scope = Literal["node", "fleet"]
 Check = Callable[[Any], str | None]  # returns what is wrong, or None
 
 # ASCII, so characters are bytes; \Z, not $, which would let a trailing newline through.
-_NAME = re.compile(rf"^[A-Za-z0-9_.-]{{1,{MAX_NAME}}}\Z")
+_NAME = re.compile(rf"^(?!\.+\Z)[A-Za-z0-9_.-]{{1,{MAX_NAME}}}\Z")  # not "." nor ".."
 _DIGITS = re.compile(r"^[0-9]{1,5}\Z")  # str.isdigit() takes '²', which int() refuses
 _PRINTABLE_KEY = re.compile(r"^[\x20-\x7e]{1,200}\Z")
 
@@ -69,7 +69,9 @@ def between(lo: float, hi: float) -> Check:
 
 def name_problem(v: str) -> str | None:
     """What is wrong with ``v`` as a name (a source, a tenant, a segment, a consumer)."""
-    return None if _NAME.match(v) else f"must be 1-{MAX_NAME} characters of A-Z a-z 0-9 _ . -"
+    if _NAME.match(v):
+        return None
+    return f"must be 1-{MAX_NAME} characters of A-Z a-z 0-9 _ . -, not only dots"
 
 
 def _address(v: str) -> str | None:
@@ -467,6 +469,8 @@ def load(path: str | Path) -> Config:
         raise ConfigError(f"{path}: not UTF-8 text") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid TOML: nested too deep") from None
     return parse(raw, str(path))
 
 

@@ -12,12 +12,14 @@ class MissingSecret(Exception):
 
 
 def read_secret(env: str = "", file: str = "") -> str:
-    """The secret named by ``env`` or ``file``; "" when neither is given."""
+    """The secret named by ``env`` or ``file``, without the whitespace around it (a
+    trailing newline from ``echo`` or a secrets manager is not part of it, and a token a
+    client can only send trimmed could never match); "" when neither is given."""
     if env:
         value = os.environ.get(env)
         if value is None:
             raise MissingSecret(f"environment variable {env} is not set")
-        return value
+        return value.strip()
     if file:
         try:
             return Path(file).read_text(encoding="utf-8").strip()

@@ -32,14 +32,17 @@ _CONTROLS = {c: f"\\x{c:02x}" for c in [*range(32), *range(127, 160)] if c not i
 _ONE_LINE = {**_CONTROLS, 9: "\\t", 10: "\\n"}
 
 
+_HIGHEST = 2**63 - 1  # SQLite's largest integer
+
+
 def _at_least(lowest: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-        if value < lowest:
-            raise argparse.ArgumentTypeError(f"must be at least {lowest}, not {value}")
+        if not lowest <= value <= _HIGHEST:
+            raise argparse.ArgumentTypeError(f"must be {lowest} to {_HIGHEST}, not {value}")
         return value
 
     return parse
@@ -83,7 +86,10 @@ def run(args: argparse.Namespace) -> int:
         if args.hooks_command == "list":
             _print(readers.page(path, args.after, args.limit, args.source), args.json)
         elif args.hooks_command == "show":
-            found = readers.get(path, args.id)
+            try:
+                found = readers.get(path, args.id)
+            except UnicodeEncodeError:  # bytes that are not UTF-8: no hook id has them
+                found = None
             if found is None:
                 return _fail(f"{path}: no hook {args.id!r}", 1)
             print(_json(found) if args.json else _details(found))

@@ -319,8 +319,13 @@ def test_a_bad_override_is_refused_naming_its_field(
 
 def test_override_requests_that_are_not_json_or_name_no_tenant(svc_once: Service) -> None:
     path = "/v1/tenants/demo/rate-limit"
-    for raw in (b"not json", b"[1, 2]", b"\xff"):
+    deep = b"[" * 100_000 + b"]" * 100_000  # deeper than json's recursion: not a 500
+    for raw in (b"not json", b"[1, 2]", b"\xff", deep):
         assert admin_json(svc_once, "PUT", path, raw) == (400, {"error": "invalid_json"})
+    assert admin_json(svc_once, "POST", "/v1/consumers/c1/ack", deep) == (
+        400,
+        {"error": "invalid_json"},
+    )
     for method in ("GET", "PUT", "DELETE"):
         answer = admin_json(svc_once, method, "/v1/tenants/nobody/rate-limit", b"{}")
         assert answer == (404, {"error": "unknown_tenant"})
@@ -383,7 +388,7 @@ def test_consumers_page_ack_resume_after_a_restart_and_long_poll(
         {"error": "invalid_ack", "field": "cursor", "detail": "cursor -1 is negative"},
     )
     assert admin_json(svc, "POST", "/v1/consumers/c1/ack", b"nope")[0] == 400
-    rule = "a consumer name must be 1-64 characters of A-Z a-z 0-9 _ . -"
+    rule = "a consumer name must be 1-64 characters of A-Z a-z 0-9 _ . -, not only dots"
     bad_name = (400, {"error": "invalid_consumer", "detail": rule})
     assert admin_json(svc, "POST", "/v1/consumers/bad%20name/ack", {"cursor": 1}) == bad_name
     assert admin_json(svc, "GET", "/v1/consumers/" + "n" * 65) == bad_name
@@ -499,7 +504,7 @@ def test_the_token_is_required_when_configured(make: Callable[..., Service]) -> 
     port = free_port()
     svc = make(
         server={"admin_listen": f"0.0.0.0:{port}", "admin_token_env": "ADMIN_TOKEN"},
-        env={**ENV, "ADMIN_TOKEN": "t0ken-for-tests"},
+        env={**ENV, "ADMIN_TOKEN": "t0ken-for-tests\n"},  # as `echo` leaves it: trimmed
     )
     svc.admin_port = port
     svc.start()

@@ -174,6 +174,7 @@ def test_wrong_type_names_the_key(tmp_path: Path, text: str, key: str) -> None:
         ("[fleet]\nbreaker_failure_rate = 1.5\n", "fleet.breaker_failure_rate"),
         ("[fleet]\ntimeout_ms = 0\n", "fleet.timeout_ms"),
         ("[rate_limits]\ndefault = { rate = 1, burst = 0 }\n", "rate_limits.default.burst"),
+        ('[server]\nsegment = ".."\n', "server.segment"),  # a POSIX name it cannot be
     ],
 )
 def test_out_of_range_names_the_key(tmp_path: Path, text: str, key: str) -> None:
@@ -244,6 +245,12 @@ def check_config(*args: str | Path) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=60,
     )
+
+
+def test_a_toml_file_nested_too_deep_is_one_clear_error(tmp_path: Path) -> None:
+    deep = write(tmp_path, "a = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ConfigError, match="not valid TOML: nested too deep"):
+        config.load(deep)
 
 
 def test_check_config_command(tmp_path: Path) -> None:

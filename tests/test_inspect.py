@@ -244,6 +244,12 @@ def test_invalid_name() -> None:
     assert_refused(script("--name", "a/b"), "invalid segment name")
 
 
+def test_watch_must_be_finite() -> None:
+    r = console("inspect", "--watch", "inf")
+    assert r.returncode == 2 and "must be positive and finite" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_list_names_every_figure() -> None:
     for r in (script("--list"), console("inspect", "--list")):
         assert r.returncode == 0

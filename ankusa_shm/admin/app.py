@@ -267,7 +267,7 @@ def _parse_override(body: bytes) -> tuple[Any, Any] | dict[str, Any]:
     """(rate, burst) as given, or the 400's body; their values are the store's to judge."""
     try:
         doc = json.loads(body)
-    except ValueError:  # UnicodeDecodeError too
+    except (ValueError, RecursionError):  # UnicodeDecodeError too; nested too deep
         return {"error": "invalid_json"}
     if not isinstance(doc, dict):
         return {"error": "invalid_json"}

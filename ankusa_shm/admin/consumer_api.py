@@ -183,7 +183,7 @@ class ConsumerApi:
             return 400, _bad_consumer(problem)
         try:
             doc = json.loads(body)
-        except ValueError:  # UnicodeDecodeError too
+        except (ValueError, RecursionError):  # UnicodeDecodeError too; nested too deep
             return 400, {"error": "invalid_json"}
         if not isinstance(doc, dict):
             return 400, {"error": "invalid_json"}
