@@ -146,6 +146,7 @@ def test_json_view_of_a_live_segment(seg: Segment, busy: list[int]) -> None:
         assert doc["figures"]["requests"] == sum(served(i) for i in range(WRITERS))
         assert doc["figures"]['admit{result="ok"}'] > 0
         assert doc["figures"]['processes{role="worker"}'] == WRITERS
+        assert doc["figures"]['processes{role="supervisor"}'] == 1  # the owner, slot or not
         assert doc["figures"]["fleet_breaker_state"] == 1
         assert doc["config"] == {"fleet": {"breaker_window_ms": 20_000}}
 
@@ -158,6 +159,7 @@ def test_a_dead_owner_is_shown_not_running(seg: Segment) -> None:
     doc = json.loads(console("inspect", "--name", seg.name, "--json").stdout)
     assert doc["segment"]["owner_running"] is False
     assert doc["figures"]["segment_owner_up"] == 0
+    assert doc["figures"]['processes{role="supervisor"}'] == 0
 
 
 def test_inspect_never_writes(seg: Segment) -> None:

@@ -207,6 +207,8 @@ def figures(s: Snapshot) -> list[Figure]:
     for role in procs.Role:
         name = role.name.lower()
         alive = sum(1 for p in s.processes if p.role == name and p.alive)
+        if role is procs.Role.SUPERVISOR:  # the segment's owner, not a slot's holder
+            alive = int(s.owner_alive)
         gauge("processes", alive, ("role", name))
     gauge("segment_bytes", s.header.total_size)
     gauge("segment_owner_up", int(s.owner_alive))
