@@ -73,6 +73,8 @@ def _check_config(file: str | None, list_settings: bool) -> int:
         return 2
     kinds = ", ".join(cfg.fleet_kinds) or "none"
     print(f"{file}: ok ({len(cfg.sources)} sources; fleet kinds: {kinds})")
+    if not cfg.sources:  # valid, and surely not meant: a file says which sources exist
+        print(f"{file}: warning: no [[sources]]: every hook will be answered 404", file=sys.stderr)
     return 0
 
 

@@ -257,6 +257,11 @@ def test_check_config_command(tmp_path: Path) -> None:
     good = check_config(write(tmp_path, REFERENCE))
     assert good.returncode == 0, good.stderr
     assert "ok (1 sources; fleet kinds: rate_limit, dedupe)" in good.stdout
+    assert "warning" not in good.stderr
+
+    empty = check_config(write(tmp_path, "", "empty.toml"))  # valid, and surely not meant
+    assert empty.returncode == 0 and "ok (0 sources" in empty.stdout
+    assert "no [[sources]]: every hook will be answered 404" in empty.stderr
 
     bad = check_config(write(tmp_path, "[fleet]\ntimeout_ms = 'fast'\n", "bad.toml"))
     assert bad.returncode == 2
