@@ -99,7 +99,6 @@ class Fleet:
         self._budget_s = f.timeout_ms / 1000
         self._deadline_s = f.call_deadline_s
         self._pending_ttl_ms = f.pending_ttl_ms
-        self._timeout_ms = f.timeout_ms
         self._failure: BaseException = TimeoutError()  # why the last failed call failed
         self._clock = clock
         self._row = slot.counters
@@ -137,23 +136,21 @@ class Fleet:
             return self._tally(self._take_local(source.tenant, limit, now, None))
         assert self._store is not None
         now_ms = now // 1_000_000
+        permit = self._breaker.allow(now_ms)
         claim = None
         if event_key is not None:
             key = self._store.dedupe_key(source.tenant, source.id, event_key)
             # Unique, not secret: ``random`` is reseeded in every forked child, and a
-            # system call per hook would hand the GIL to the store's writer thread.
-            token = random.getrandbits(128).to_bytes(16)
+            # system call per hook would hand the GIL to the store's writer thread. With
+            # no call to make, nothing is claimed, but a promote will be due.
+            token = random.getrandbits(128).to_bytes(16) if permit.call else NO_TOKEN
             claim = Claim(key, token, source.dedupe_ttl_s * 1000)
-        permit = self._breaker.allow(now_ms)
+        failed: BaseException | None = None  # no call made: the breaker is open
         if permit.call:
             answer = await self._ask_store(permit, source.tenant, limit, claim, now)
             if answer is not None:
                 return self._tally(answer)
-            failed: BaseException | None = self._failure  # the claim's moment stays unknown
-        else:
-            if claim is not None:  # no call: nothing is claimed, but a promote will be due
-                claim = Claim(claim.key, NO_TOKEN, claim.ttl_ms)
-            failed = None
+            failed = self._failure  # the claim's moment stays unknown
         self._fall_back(failed, now_ms)
         return self._tally(self._take_local(source.tenant, limit, now, claim))
 
@@ -289,7 +286,7 @@ class Fleet:
         if failed is None:
             return "the fleet store breaker is open"
         if isinstance(failed, TimeoutError):
-            return f"the last fleet store call had no answer within {self._timeout_ms} ms"
+            return f"the last fleet store call had no answer within {self._budget_s * 1000:g} ms"
         return f"the last fleet store call failed ({failed})"
 
     def _tally(self, result: Admitted) -> Admitted:

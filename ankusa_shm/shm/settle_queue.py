@@ -148,6 +148,7 @@ class SettleQueue:
         self._wake = base + L.Q_WAKE
         self._deq = base + L.Q_DEQUEUE
         self._consumer = base + L.Q_CONSUMER
+        self._consumer_id = base + L.Q_CONSUMER_ID
         self._slots = base + L.Q_SLOTS
         self.capacity = lay.params.queue_capacity
         self._grace_ms = grace_ms
@@ -294,7 +295,7 @@ class SettleQueue:
 
     def live_consumer(self) -> int | None:
         """The pid of the live process holding the consumer role; None if nobody does."""
-        ident = self._view.load(self._consumer + (L.Q_CONSUMER_ID - L.Q_CONSUMER))
+        ident = self._view.load(self._consumer_id)
         holder = ident & L.PID_MASK
         return holder if ident and pid_alive(holder, ident >> L.PID_BITS) else None
 
@@ -306,14 +307,13 @@ class SettleQueue:
         holder by a start time that is not yet its own. The pid word is for readers.
         """
         me = os.getpid()
-        ident_word = self._consumer + (L.Q_CONSUMER_ID - L.Q_CONSUMER)
         mine = (pids.my_start() & L.START_MASK) << L.PID_BITS | me
         for _ in range(1000):  # each lost race means another process took or gave it up
-            ident = self._view.load(ident_word)
+            ident = self._view.load(self._consumer_id)
             holder = ident & L.PID_MASK
             if ident != mine and pid_alive(holder, ident >> L.PID_BITS):
                 raise ConsumerTaken(f"settle queue already drained by live pid {holder}")
-            if ident == mine or self._view.cas(ident_word, ident, mine):
+            if ident == mine or self._view.cas(self._consumer_id, ident, mine):
                 self._view.store(self._consumer, me)
                 if ident != mine:
                     self._stuck = None
@@ -321,9 +321,8 @@ class SettleQueue:
         raise ConsumerTaken("the settle queue's consumer role keeps changing hands")
 
     def resign_consumer(self) -> None:
-        ident_word = self._consumer + (L.Q_CONSUMER_ID - L.Q_CONSUMER)
         mine = (pids.my_start() & L.START_MASK) << L.PID_BITS | os.getpid()
-        if self._view.cas(ident_word, mine, 0):
+        if self._view.cas(self._consumer_id, mine, 0):
             self._view.cas(self._consumer, os.getpid(), 0)
 
     def peek(self, max_records: int, now_ms: int) -> tuple[Batch, int]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ankusa_shm._atomics import AtomicView
 from ankusa_shm.shm import breaker, counters, histograms, procs, requests
 from ankusa_shm.shm import layout as L
 from ankusa_shm.shm.counters import Counter
@@ -139,7 +138,8 @@ def take(seg: Segment) -> Snapshot:
         queue_depth=queue.depth(),
         queue_capacity=queue.capacity,
         consumer_pid=queue.consumer_pid(),
-        consumer_alive=_consumer_alive(v, lay, queue.consumer_pid()),
+        # judged by its identity word (pid and start ticks): a pid since reused is gone
+        consumer_alive=queue.live_consumer() == queue.consumer_pid(),
         processes=processes,
         limiter_slots=limiter.slots,
         limiter_used=used,
@@ -170,13 +170,6 @@ def _check_identities(
     for p in processes:
         if p.role == "?":
             raise CorruptSegment(f"segment {name} is corrupt: process slot {p.slot} names no role")
-
-
-def _consumer_alive(v: AtomicView, lay: L.Layout, pid: int) -> bool:
-    """The consumer is judged by its identity word (pid and start ticks), as the queue's
-    ``become_consumer`` judges it, so a pid since reused is not running."""
-    ident = v.load(lay.offset("queue") + L.Q_CONSUMER_ID)
-    return ident & L.PID_MASK == pid and pid_alive(pid, ident >> L.PID_BITS)
 
 
 def figures(s: Snapshot) -> list[Figure]:

@@ -529,7 +529,8 @@ class Writer:
             self._release()
         held = time.monotonic_ns() - got
         if hooks and not schema.same_files(self.path, self._ids):
-            results, hooks = [UNAVAILABLE] * len(results), self._replaced(hooks)
+            self._replaced(hooks)
+            results, hooks = [UNAVAILABLE] * len(results), 0
         if hooks and self._on_commit is not None:
             self._on_commit(hooks, got - asked, held)
         # Claims are settled once the lock is let go: the next writer's turn does not wait
@@ -615,7 +616,7 @@ class Writer:
             return None
         return self._conn
 
-    def _replaced(self, hooks: int) -> int:
+    def _replaced(self, hooks: int) -> None:
         """The batch went to files no longer at the path: none of it may be answered as
         stored. The next batch opens the path again, as a new store if nothing is there."""
         log.error(
@@ -626,7 +627,6 @@ class Writer:
         self.stats.not_stored += hooks
         self.stats.failures += 1
         self._drop_connection()
-        return 0
 
     def _fail(self, conn: sqlite3.Connection, e: Exception) -> None:
         """Roll back a failed transaction; keep the connection only if it was merely busy."""

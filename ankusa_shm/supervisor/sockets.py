@@ -49,7 +49,6 @@ class Listeners:
             for s in bind(addresses, self._backlog, listen=False):  # in use by anyone: BindError
                 s.close()
         self._name = describe(self.lane(0))  # bind now: a port in use is an error at start
-        self._closed = False
 
     def lane(self, i: int, listen: bool = True) -> list[socket.socket]:
         """Lane ``i``'s sockets, bound now if they are not yet; ``listen=False`` leaves
@@ -84,10 +83,10 @@ class Listeners:
             s.close()
         self._lanes.clear()
         self._shared = [] if self._shared is not None else None
-        self._closed = True
+        self._name = "nothing"
 
     def describe(self) -> str:
-        return self._name if not self._closed else "nothing"
+        return self._name
 
 
 def bind(
