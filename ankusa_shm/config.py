@@ -146,6 +146,13 @@ class Server:
         10.0, "A child whose event loop is silent this long is restarted.", between(1, 3_600)
     )
     backlog: int = setting(2_048, "Listen backlog of each address.", between(1, 65_535))
+    max_connections: int = setting(
+        10_000,
+        "Client connections each worker holds open. At the cap a new connection closes the "
+        "longest-idle keep-alive one, or is closed itself if none is idle. Fewer if the "
+        "open-file limit leaves less room.",
+        between(1, 1_000_000),
+    )
     segment: str = setting("ankusa-shm", "Name of the shared-memory segment.", name_problem)
 
 

@@ -111,7 +111,8 @@ class Worker:
             await self._recover(fleet, self._recover_since_ms)
         fleet.set_overrides(overrides.read(seg.blob("overrides")))
         follow = loop.create_task(overrides.follow(seg.blob("overrides"), fleet.set_overrides))
-        server = HttpServer(path, Limits.of(cfg.server), observer.answered if observer else None)
+        answered = observer.answered if observer else None
+        server = HttpServer(path, Limits.of(cfg.server), answered, self._slot.counters)
         await server.start(self._sockets, cfg.server.backlog)
 
         life = Life(self._slot)

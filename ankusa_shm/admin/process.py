@@ -85,7 +85,7 @@ async def _serve(
     await asyncio.to_thread(overrides.publish_stored, seg.blob("overrides"), cfg.store.path)
     watch = CommitWatch(CommitWord(seg.view, seg.layout))
     app = App(cfg, seg, fleet, store, ConsumerApi(store, watch), token)
-    server = HttpServer(app, Limits.of(cfg.server))
+    server = HttpServer(app, Limits.of(cfg.server), counters=slot.counters)
     await server.start([sock], ADMIN_BACKLOG)
 
     life = Life(slot)

@@ -16,6 +16,11 @@ answers left unread, which bound what a client can make us hold) are checked by 
 per server each ``SWEEP_S`` rather than a timer per request. A request asking to switch
 protocols (``Upgrade: h2c``, as ``curl --http2`` sends) is answered over HTTP/1.1 as if
 it had not asked; CONNECT is 400.
+
+A server holds at most ``max_connections``. At the cap, a new connection closes the one
+that has been idle longest (a kept-alive client must expect that, RFC 9112 9.3), or, with
+none idle, is closed itself: refusing one client beats running out of file descriptors,
+which refuses every one.
 """
 
 from __future__ import annotations
@@ -33,13 +38,15 @@ from http import HTTPStatus
 
 import httptools
 
-from ankusa_shm import config
+from ankusa_shm import config, fds
+from ankusa_shm.shm.counters import Counter, CounterRow
 
 log = logging.getLogger("ankusa_shm.http")
 
 SWEEP_S = 0.25
 PIPELINE_DEPTH = 16  # requests parsed ahead of their answers before reading pauses
 LINGER_S = 1.0  # after an error answer: how long to discard what the client still sends
+SHED_LOG_S = 60.0  # at most one warning this often while connections are being shed
 # On a graceful stop: how long a connection taken moments before, that has not sent a byte
 # yet, has to send its first request (its client cannot tell it reached a leaving process)
 FIRST_REQUEST_GRACE_S = 1.0
@@ -77,6 +84,7 @@ class Limits:
     header_timeout_s: float
     body_timeout_s: float
     keepalive_timeout_s: float
+    max_connections: int
 
     @classmethod
     def of(cls, s: config.Server) -> Limits:
@@ -86,6 +94,7 @@ class Limits:
             header_timeout_s=s.header_timeout_s,
             body_timeout_s=s.body_timeout_s,
             keepalive_timeout_s=s.keepalive_timeout_s,
+            max_connections=fds.connection_cap(s.max_connections),
         )
 
 
@@ -168,11 +177,16 @@ class Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = typing.cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        if not self._server.make_room():
+            self._closing = True
+            self._transport.close()
+            return
         self._server.connections.add(self)
         self._expect_idle()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._server.connections.discard(self)
+        self._server.idle.pop(self, None)
         self._transport = None
         self._can_write.set()
         self._pipeline.clear()
@@ -183,6 +197,7 @@ class Connection(asyncio.Protocol):
             task.cancel()
 
     def data_received(self, data: bytes) -> None:
+        self._server.idle.pop(self, None)  # not idle: may not be closed to make room
         rest: bytes | memoryview = data
         while rest and not self._closing:  # once closing (an error, or stopping): discarded
             rest = self._feed(rest)
@@ -404,6 +419,13 @@ class Connection(asyncio.Protocol):
     def _expect_idle(self) -> None:
         self._deadline = time.monotonic() + self._limits.keepalive_timeout_s
         self._deadline_error = ""
+        self._server.idle[self] = None  # the last to become idle, the last to be shed
+
+    def shed(self) -> None:
+        """Closed to make room for a new connection: it was idle, so nothing is lost."""
+        if self._transport is not None:
+            self._closing = True
+            self._transport.close()
 
     def check_deadline(self, now: float) -> None:
         """Called by the server's sweep. An idle connection past its keep-alive is closed
@@ -450,12 +472,22 @@ class Connection(asyncio.Protocol):
 class HttpServer:
     """The connections of one process, across all its listening sockets."""
 
-    def __init__(self, handler: Handler, limits: Limits, observe: Observer | None = None) -> None:
+    def __init__(
+        self,
+        handler: Handler,
+        limits: Limits,
+        observe: Observer | None = None,
+        counters: CounterRow | None = None,
+    ) -> None:
         self.handler = handler
         self.limits = limits
         self.observe = observe
         self.connections: set[Connection] = set()
+        # the connections between requests, the longest idle first (insertion order)
+        self.idle: dict[Connection, None] = {}
         self.stopping = False
+        self._counters = counters
+        self._shed_logged = -SHED_LOG_S
         self._servers: list[asyncio.Server] = []
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -469,6 +501,36 @@ class HttpServer:
             )
             self._servers.append(srv)
         self._sweeper = loop.create_task(self._sweep())
+
+    def make_room(self) -> bool:
+        """Whether a new connection may be held: under the cap, or once the longest-idle
+        connection is closed for it."""
+        if len(self.connections) < self.limits.max_connections:
+            return True
+        if self.idle:
+            oldest = next(iter(self.idle))
+            del self.idle[oldest]
+            self.connections.discard(oldest)  # gone now, not when the loop reports it
+            oldest.shed()
+            self._count_shed(Counter.SHED_IDLE)
+            return True
+        self._count_shed(Counter.SHED_NEW)
+        return False
+
+    def _count_shed(self, counter: Counter) -> None:
+        if self._counters is not None:
+            self._counters.add(counter)
+        now = time.monotonic()
+        if now - self._shed_logged >= SHED_LOG_S:
+            self._shed_logged = now
+            log.warning(
+                "%d client connections open, the most this process holds "
+                "(server.max_connections, or the open-file limit): %s",
+                len(self.connections),
+                "closing idle ones for new ones"
+                if counter is Counter.SHED_IDLE
+                else "none idle, closing new ones",
+            )
 
     async def _sweep(self) -> None:
         while True:

@@ -21,6 +21,13 @@ class Counter(enum.Enum):
     """(family, labels, help). Families are Prometheus names without ``ankusa_``/``_total``."""
 
     REQUESTS = ("requests", (), "Hooks handled by request workers.")
+    SHED_IDLE = (
+        "connections_shed",
+        (("closed", "idle"),),
+        "Client connections closed by a worker at server.max_connections: the longest-idle "
+        "keep-alive one to make room for a new one, or the new one when none was idle.",
+    )
+    SHED_NEW = ("connections_shed", (("closed", "new"),), "")
     ADMIT_OK = ("admit", (("result", "ok"),), "Admission decisions, by result.")
     ADMIT_DUPLICATE = ("admit", (("result", "duplicate"),), "")
     ADMIT_RATE_LIMITED = ("admit", (("result", "rate_limited"),), "")

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 import setproctitle
 
-from ankusa_shm import child, config, overrides
+from ankusa_shm import child, config, fds, overrides
 from ankusa_shm.clock import monotonic_ms
 from ankusa_shm.config import Config
 from ankusa_shm.shm import procs, requests
@@ -138,6 +138,8 @@ class Arbiter:
     def run(self) -> int:
         cfg = self.cfg
         began_ns = time.time_ns()
+        fds.raise_limit()  # before any fork: every child inherits it
+        _check_room(cfg)
         try:
             # The sockets before the segment: a second service started on the same ports
             # stops here, before it has touched the segment of the one running.
@@ -567,6 +569,7 @@ class Arbiter:
             log.error("HUP: %s; the running configuration keeps serving", e)
             return
         new = _keep_restart_only(self.cfg, new)
+        _check_room(new)
         self.notifier.send("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
         self._previous, self.cfg = self._previous or self.cfg, new
         self._target = _worker_count(new)
@@ -621,6 +624,19 @@ def _free_lane(workers: list[Child], target: int) -> int:
     """The first lane none of ``workers`` accepts on."""
     taken = {c.lane for c in workers}
     return next(i for i in range(target + len(taken) + 1) if i not in taken)
+
+
+def _check_room(cfg: Config) -> None:
+    """Say so if the open-file limit holds the workers under ``server.max_connections``."""
+    wanted = cfg.server.max_connections
+    cap = fds.connection_cap(wanted)
+    if cap < wanted:
+        log.warning(
+            "the open-file limit leaves room for %d client connections per worker, not "
+            "server.max_connections = %d: raise it (LimitNOFILE= in the unit, ulimit -n)",
+            cap,
+            wanted,
+        )
 
 
 def _worker_count(cfg: Config) -> int:

@@ -1,0 +1,37 @@
+"""How many client connections a worker may hold, given the open-file limit.
+
+A process out of file descriptors cannot accept: the event loop then takes each waiting
+connection off the backlog and closes it at once, so every hook sent meanwhile is reset,
+and nothing says why. The supervisor raises the soft limit to the hard one before it
+forks (as Go's runtime does; the systemd unit sets both), and each worker keeps its
+connections ``RESERVE`` short of the limit, for what else it opens: the store's files,
+the Redis connection, listening sockets, pipes.
+"""
+
+from __future__ import annotations
+
+import resource
+
+RESERVE = 64
+
+
+def raise_limit() -> int:
+    """Raise this process's soft open-file limit to its hard one (inherited by children
+    forked after); the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):  # a hard limit the kernel refuses (above nr_open)
+            return soft
+        soft = hard
+    return soft
+
+
+def connection_cap(configured: int) -> int:
+    """The connections a worker may hold: ``configured``, or fewer if the soft open-file
+    limit leaves less room."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return configured
+    return max(1, min(configured, soft - RESERVE))
