@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from collections.abc import Callable
 
 import uvloop
@@ -61,20 +62,26 @@ class Worker:
         return uvloop.run(self._serve())
 
     async def _recover(self, fleet: Fleet, since_ms: int) -> None:
+        # The newest, up to half the settle queue: the rest is room for the hooks served
+        # meanwhile, and a look back over days of hooks must not fill it.
+        most = self._cfg.fleet.settle_queue_size // 2
         try:
-            # No more than the settle queue holds: a restart long after its crash must
-            # not read (and try to queue) days of hooks.
             hooks = await asyncio.to_thread(
-                readers.claimed_since,
-                self._cfg.store.path,
-                since_ms,
-                self._cfg.fleet.settle_queue_size,
+                readers.claimed_since, self._cfg.store.path, since_ms, most
             )
         except StoreError as e:
             log.warning("recovery: cannot read the store: %s", e)
             return
         queued = fleet.repromote(hooks, wall_ms())
-        log.info("recovery: %d promotes queued for hooks stored since a crash", queued)
+        if not hooks:  # a first start, or a clean one with nothing stored lately
+            return
+        log.info(
+            "recovery: %d promotes queued for hooks stored since %s%s, whose settle a crash "
+            "or a lost segment may have lost",
+            queued,
+            time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(since_ms / 1000)),
+            f" (only the newest {most})" if len(hooks) >= most else "",
+        )
 
     async def _serve(self) -> int:
         cfg, seg = self._cfg, self._seg

@@ -27,6 +27,7 @@ from service import Service
 from ankusa_shm.clock import monotonic_ms
 from ankusa_shm.shm import layout as L
 from ankusa_shm.shm import pids, procs
+from ankusa_shm.shm import segment as segmod
 from ankusa_shm.shm.counters import Counter, totals
 from ankusa_shm.shm.procs import NoFreeSlot, Role
 from ankusa_shm.shm.segment import Segment
@@ -252,6 +253,44 @@ def test_a_killed_supervisor_restarts_on_its_segment_and_loses_nothing_queued(
     r = redis_server.client()
     for delivery, hook_id in accepted.items():
         assert r.get(f"ankusa:{{acme}}:dd:github:{delivery}") == f"c:{hook_id}".encode()
+    assert svc.stop() == 0
+
+
+def test_a_host_that_lost_its_segment_promotes_again_what_it_had_queued(
+    make: list[Service], tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A reboot empties /dev/shm, and an upgrade that changes the segment's layout replaces
+    it: the promotes queued in it are gone (here, queued while the drainer could not send
+    them). The next start has a new segment and promotes again what is still in its dedupe
+    window, from the store; before, those keys stayed pending claims, and once they
+    expired, a resend to another host was stored again."""
+    svc = service(make, tmp_path, fleet_config(redis_server)).start()
+    (drainer,) = svc.pids("drainer")
+    os.kill(drainer, signal.SIGSTOP)
+    with Load(svc.port, threads=2) as load:
+        time.sleep(1.0)
+    accepted = dict(load.tally.accepted)
+    assert len(accepted) > 20 and counter(svc, Counter.SETTLED_PROMOTE) == 0
+    svc.send(signal.SIGKILL)
+    assert svc.proc is not None and svc.proc.wait(10) == -signal.SIGKILL
+    wait_until(lambda: not svc.children(), what="the children gone with their supervisor")
+    segmod.unlink(svc.segment)  # as a reboot does
+    r = redis_server.client()
+
+    def claim(delivery: str) -> bytes:
+        value = r.get(f"ankusa:{{acme}}:dd:github:{delivery}")
+        assert isinstance(value, bytes)
+        return value
+
+    assert all(claim(d).startswith(b"p:") for d in accepted)  # still pending
+
+    svc.start()
+    wait_until(
+        lambda: all(claim(d) == f"c:{h}".encode() for d, h in accepted.items()),
+        what="every stored hook promoted",
+    )
+    found = re.search(r"recovery: (\d+) promotes queued", svc.log())
+    assert found is not None and int(found.group(1)) >= len(accepted)
     assert svc.stop() == 0
 
 

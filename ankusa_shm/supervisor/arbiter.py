@@ -151,7 +151,11 @@ class Arbiter:
             )
             self._queue = SettleQueue(self._seg.view, self._seg.buf, self._seg.layout)
             if self._seg.header().created_ns < began_ns:  # re-attached: its owner may have died
-                self._recover_since_ms = _recovery_start(cfg, _last_heard_ms(self._seg))
+                self._recover_from(_recovery_start(cfg, _last_heard_ms(self._seg)))
+            else:
+                # New: what an earlier segment held queued (lost with a reboot, or with a
+                # segment replaced on upgrade) is unknown, so every dedupe window is looked at.
+                self._recover_from(_window_start(cfg))
             self._publish(cfg)
             overrides.publish_stored(self._seg.blob("overrides"), cfg.store.path)
             self._install_signals()
@@ -352,8 +356,14 @@ class Arbiter:
             return  # started again only once that consumer is gone (``_drainer_elsewhere``)
         log.warning("%s %d died (%s); starting another", c.kind.value, c.pid, how)
         if c.kind is Kind.WORKER:
-            self._recover_since_ms = _recovery_start(c.cfg)
+            self._recover_from(_recovery_start(c.cfg))
         self._back_off(c.kind, young=time.monotonic() - c.started < YOUNG_S)
+
+    def _recover_from(self, since_ms: int) -> None:
+        """The next worker promotes what was stored since ``since_ms``, or since a recovery
+        still owed, whichever is earlier."""
+        owed = self._recover_since_ms
+        self._recover_since_ms = since_ms if owed is None else min(owed, since_ms)
 
     def _back_off(self, kind: Kind, young: bool) -> None:
         b = self._backoff[kind]
@@ -671,6 +681,12 @@ def _recovery_start(cfg: Config, crashed_ms: int | None = None) -> int:
     not just now."""
     now_ms = time.time_ns() // 1_000_000
     return min(now_ms, crashed_ms or now_ms) - cfg.store.lock_timeout_ms - 1_000
+
+
+def _window_start(cfg: Config) -> int:
+    """Wall ms from which a stored hook may still be in its dedupe window."""
+    longest_s = max((s.dedupe_ttl_s for s in cfg.sources), default=0)
+    return time.time_ns() // 1_000_000 - longest_s * 1000
 
 
 def _last_heard_ms(seg: Segment) -> int | None:
