@@ -16,6 +16,12 @@ release whose pending claim has certainly expired -- its call was answered more 
 since it is the only record in Redis that the hook exists. On SIGTERM it keeps
 delivering for up to ``drain_on_stop_ms`` and exits 0; on SIGINT or SIGQUIT it exits at
 once (what is queued stays in the segment).
+
+It also asks Redis, at start and once a minute, whether it may evict keys (a
+``maxmemory`` with any policy but ``noeviction``: every fleet key has a TTL, so even a
+``volatile-*`` policy takes them) and how many it has evicted. An evicted committed key is
+a hook the fleet forgets inside its dedupe window, so a resend to another host is stored
+again, and nothing else would say so: the evictions answer every call without an error.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from ankusa_shm.clock import Clock, monotonic_ns
 from ankusa_shm.config import Config
 from ankusa_shm.credentials import MissingSecret, read_secret
 from ankusa_shm.fleet.redis_client import RedisError
-from ankusa_shm.fleet.redis_store import RedisStore
+from ankusa_shm.fleet.redis_store import Memory, RedisStore
 from ankusa_shm.fleet.settle import UNKNOWN
 from ankusa_shm.shm import procs
 from ankusa_shm.shm.counters import Counter, totals
@@ -49,6 +55,8 @@ log = logging.getLogger("ankusa_shm.drainer")
 BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 2.0
 PLAIN_SLEEP_S = 0.05  # a pause this short is not cut short by a stop
+MEMORY_CHECK_S = 60.0  # how often the server's eviction policy and evictions are read
+POLICY_WARN_EVERY_S = 600.0  # an evicting policy is said again this often
 
 
 class Drainer:
@@ -74,6 +82,9 @@ class Drainer:
         self._on_stop_ms = f.drain_on_stop_ms
         self._idle_s = cfg.server.heartbeat_timeout_s / 4  # asleep: the heartbeat's pace
         self._warned_ms: int | None = None
+        self._memory: Memory | None = None  # the last answer to ``check_memory``
+        self._memory_at = 0.0
+        self._policy_warned_at: float | None = None
 
     def _now_ms(self) -> int:
         return self._clock() // 1_000_000
@@ -86,6 +97,7 @@ class Drainer:
         backoff = 0.0
         deadline: int | None = None
         waker = asyncio.get_running_loop().create_task(self._wake_on(stop))
+        watcher = asyncio.get_running_loop().create_task(self._watch_memory(stop))
         try:
             while True:
                 now = self._now_ms()
@@ -123,7 +135,52 @@ class Drainer:
                 await self._pause(backoff, stop)
         finally:
             waker.cancel()
+            watcher.cancel()
             self._queue.resign_consumer()
+
+    async def _watch_memory(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.check_memory()
+            await self._pause(MEMORY_CHECK_S, stop)
+
+    async def check_memory(self) -> None:
+        """Warn if the server may evict fleet keys (when first seen, when its policy
+        changes, then every ``POLICY_WARN_EVERY_S``) and whenever it evicted some since
+        the last check. A server that does not answer, or will not say, is left alone:
+        the deliveries report an unreachable one."""
+        try:
+            mem = await self._store.memory(time.monotonic() + self._timeout_s)
+        except (TimeoutError, RedisError):
+            return
+        if mem is None:
+            return
+        now = time.monotonic()
+        last, last_at = self._memory, self._memory_at
+        self._memory, self._memory_at = mem, now
+        if mem.evicts and (
+            last is None
+            or last.policy != mem.policy
+            or self._policy_warned_at is None
+            or now - self._policy_warned_at >= POLICY_WARN_EVERY_S
+        ):
+            self._policy_warned_at = now
+            log.warning(
+                "Redis may evict fleet keys (maxmemory-policy %s, maxmemory %d bytes): an"
+                " evicted dedupe key lets a resend be stored again on another host, an"
+                " evicted bucket forgets a tenant's rate; set maxmemory-policy noeviction",
+                mem.policy,
+                mem.maxmemory,
+            )
+        elif not mem.evicts:
+            self._policy_warned_at = None
+        if last is not None and mem.evicted_keys > last.evicted_keys:
+            log.warning(
+                "Redis evicted %d keys in the last %.0f s (maxmemory-policy %s): resends of"
+                " events whose keys it evicted are stored again",
+                mem.evicted_keys - last.evicted_keys,
+                now - last_at,
+                mem.policy,
+            )
 
     def _corrupt(self, n: int) -> None:
         """Records that failed their check: counted, and said every time, since each is
