@@ -82,6 +82,9 @@ class Drainer:
         self._on_stop_ms = f.drain_on_stop_ms
         self._idle_s = cfg.server.heartbeat_timeout_s / 4  # asleep: the heartbeat's pace
         self._warned_ms: int | None = None
+        # the first failed delivery of the current run of failures, and the queue's
+        # drops counted by then: what the line said when deliveries resume is drawn from
+        self._failing: tuple[int, int] | None = None
         self._memory: Memory | None = None  # the last answer to ``check_memory``
         self._memory_at = 0.0
         self._policy_warned_at: float | None = None
@@ -206,6 +209,8 @@ class Drainer:
                 await self._store.settle(live, now_ms, time.monotonic() + self._timeout_s)
             except (TimeoutError, RedisError) as e:
                 self._row.add(Counter.DRAIN_ERRORS)
+                if self._failing is None:
+                    self._failing = (now_ms, self._dropped())
                 if self._warned_ms is None or now_ms - self._warned_ms >= WARN_EVERY_MS:
                     self._warned_ms = now_ms
                     log.warning(
@@ -214,11 +219,39 @@ class Drainer:
                         str(e) or type(e).__name__,
                         len(batch.records),
                         self._queue.depth(),
-                        totals(self._seg.view, self._seg.layout)[Counter.SETTLE_DROPPED],
+                        self._dropped(),
                     )
                 return None
+            if self._failing is not None:
+                self._resumed(now_ms)
         promotes = sum(1 for r in live if r.op is Op.PROMOTE)
         return promotes, len(live) - promotes, len(batch.records) - len(live)
+
+    def _dropped(self) -> int:
+        return totals(self._seg.view, self._seg.layout)[Counter.SETTLE_DROPPED]
+
+    def _resumed(self, now_ms: int) -> None:
+        """Deliveries work again: say for how long they failed and what a full queue
+        dropped meanwhile. The failure's warning comes once a minute and may have said
+        "0 dropped" just before the queue filled; each drop is a promote that may let a
+        resend be stored again, so the operator is told the total when it is known. Said
+        when the failures were warned about or dropped something: a flap within the
+        warning's minute stays as quiet as its failure was."""
+        assert self._failing is not None
+        since_ms, dropped_before = self._failing
+        self._failing = None
+        dropped = self._dropped() - dropped_before
+        warned = self._warned_ms is not None and self._warned_ms >= since_ms
+        if not (dropped or warned):  # a flap the once-a-minute warning did not mention
+            return
+        log.log(
+            logging.WARNING if dropped else logging.INFO,
+            "settle delivery works again after %.1f s of failures; %d queued, %d operations"
+            " dropped for a full queue meanwhile",
+            (now_ms - since_ms) / 1000,
+            self._queue.depth(),
+            dropped,
+        )
 
     def _count(self, delivered: tuple[int, int, int]) -> None:
         promotes, releases, expired = delivered
