@@ -579,3 +579,90 @@ def test_worker_killed_mid_enqueue_does_not_wedge_the_queue(redis_server: RedisS
         assert values[:2] == [b"c:hook-0", b"c:hook-1"]
         assert values[2] == pending_value(claims[2].token)  # its promote was lost, not sent
         assert values[3:] == [b"c:hook-3", None]
+
+
+def test_a_redis_that_may_evict_fleet_keys_is_said_and_so_are_its_evictions(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With maxmemory-policy allkeys-lru a full Redis answers every call and evicts
+    committed dedupe keys: an audit stored 5,480 of 13,953 resends a second time across two
+    hosts, with no error, counter or line anywhere. The drainer now reads the policy and
+    the eviction count and says both; a noeviction server is not mentioned."""
+    evicting = RedisServer(None, "--maxmemory", "512mb", "--maxmemory-policy", "allkeys-lru")
+    quiet = RedisServer()
+    try:
+        with segments(2) as segs:
+
+            async def check(server: RedisServer, seg: Segment, fill: bool) -> None:
+                cfg = fleet_config(server.url, bare(seg))
+                slot = procs.claim(seg.view, seg.layout, Role.DRAINER)
+                store = RedisStore.from_config(cfg.fleet)
+                drainer = Drainer(cfg, seg, slot, store)
+                try:
+                    await drainer.check_memory()
+                    if fill:  # a write past maxmemory evicts
+                        with server.client() as r:
+                            pipe = r.pipeline(transaction=False)
+                            for i in range(3000):
+                                pipe.set(f"filler:{i}", b"v" * 1000)
+                            pipe.execute()
+                            used = int(r.info("memory")["used_memory"])
+                            r.config_set("maxmemory", used - 1_000_000)
+                            r.set("filler:last", b"v")
+                            assert int(r.info("stats")["evicted_keys"]) > 0
+                    await drainer.check_memory()
+                finally:
+                    await store.close()
+                    slot.release()
+
+            with caplog.at_level(logging.WARNING, logger="ankusa_shm.drainer"):
+                run(check(quiet, segs[1], fill=False))
+                assert caplog.text == ""
+                run(check(evicting, segs[0], fill=True))
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 2, said
+        assert "may evict fleet keys (maxmemory-policy allkeys-lru" in said[0]
+        assert said[1].startswith("Redis evicted ") and "stored again" in said[1]
+    finally:
+        evicting.close()
+        quiet.close()
+
+
+def test_deliveries_that_work_again_say_what_a_full_queue_dropped_meanwhile(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The failure's warning comes once a minute, from the first failure: an audit's 25 s
+    of -OOM replies left one line, '0 dropped so far', while 14,068 promotes were dropped
+    for a full queue behind it. Once deliveries work again the drainer says the total."""
+    with segments(1, queue_capacity=16) as (seg,):
+        cfg = fleet_config(redis_server.url, bare(seg), settle_timeout_ms=200)
+
+        async def body() -> None:
+            async with open_fleet(cfg, seg) as fleet:
+                claim = claim_of(await admit(fleet, cfg, "k"))
+                redis_server.kill()
+                fleet.promote(claim, "hook-0")
+                slot = procs.claim(seg.view, seg.layout, Role.DRAINER)
+                store = RedisStore.from_config(cfg.fleet)
+                stop = asyncio.Event()
+                task = asyncio.create_task(Drainer(cfg, seg, slot, store).run(stop))
+                try:
+                    await await_until(lambda: totals(seg)[Counter.DRAIN_ERRORS] >= 1, "a failure")
+                    for i in range(1, 16 + 5):  # the queue fills behind the failures
+                        fleet.promote(claim, f"hook-{i}")
+                    assert totals(seg)[Counter.SETTLE_DROPPED] == 5
+                    redis_server.start()
+                    await await_until(lambda: seg.queue_depth() == 0, "delivery again")
+                finally:
+                    stop.set()
+                    await task
+                    await store.close()
+                    slot.release()
+
+        with caplog.at_level(logging.INFO, logger="ankusa_shm.drainer"):
+            run(body())
+        lines = [r.getMessage() for r in caplog.records]
+        assert "0 dropped so far for a full queue" in lines[0]  # said before the drops
+        again = [m for m in lines if "works again" in m]
+        assert len(again) == 1, lines
+        assert "5 operations dropped for a full queue meanwhile" in again[0]

@@ -143,6 +143,24 @@ def test_term_under_load_stores_every_accepted_hook_and_exits_0(
     assert counter(svc, Counter.SETTLE_ENQUEUED) == counter(svc, Counter.SETTLED_PROMOTE)
 
 
+def test_a_service_on_a_redis_that_may_evict_says_so_at_start(
+    make: list[Service], tmp_path: Path
+) -> None:
+    """An evicting Redis answers every call and drops committed dedupe keys silently (see
+    test_drainer); the host's drainer says so in the log as it starts, and hooks are
+    still answered."""
+    evicting = RedisServer(None, "--maxmemory", "512mb", "--maxmemory-policy", "volatile-lru")
+    try:
+        svc = service(make, tmp_path, fleet_config(evicting)).start()
+        body = b'{"ok": 1}'
+        assert svc.post("github", body, signed(body)).status == 201
+        wait_until(lambda: "may evict fleet keys" in svc.log(), 10, "the eviction warning")
+        assert "(maxmemory-policy volatile-lru, maxmemory 536870912 bytes)" in svc.log()
+        assert svc.stop() == 0
+    finally:
+        evicting.close()
+
+
 def _request_head(body: bytes) -> bytes:
     headers = {**signed(body), "host": "edge", "content-length": str(len(body))}
     lines = ["POST /hooks/github HTTP/1.1", *(f"{k}: {v}" for k, v in headers.items())]

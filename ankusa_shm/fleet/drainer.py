@@ -16,6 +16,12 @@ release whose pending claim has certainly expired -- its call was answered more 
 since it is the only record in Redis that the hook exists. On SIGTERM it keeps
 delivering for up to ``drain_on_stop_ms`` and exits 0; on SIGINT or SIGQUIT it exits at
 once (what is queued stays in the segment).
+
+It also asks Redis, at start and once a minute, whether it may evict keys (a
+``maxmemory`` with any policy but ``noeviction``: every fleet key has a TTL, so even a
+``volatile-*`` policy takes them) and how many it has evicted. An evicted committed key is
+a hook the fleet forgets inside its dedupe window, so a resend to another host is stored
+again, and nothing else would say so: the evictions answer every call without an error.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from ankusa_shm.clock import Clock, monotonic_ns
 from ankusa_shm.config import Config
 from ankusa_shm.credentials import MissingSecret, read_secret
 from ankusa_shm.fleet.redis_client import RedisError
-from ankusa_shm.fleet.redis_store import RedisStore
+from ankusa_shm.fleet.redis_store import Memory, RedisStore
 from ankusa_shm.fleet.settle import UNKNOWN
 from ankusa_shm.shm import procs
 from ankusa_shm.shm.counters import Counter, totals
@@ -49,6 +55,8 @@ log = logging.getLogger("ankusa_shm.drainer")
 BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 2.0
 PLAIN_SLEEP_S = 0.05  # a pause this short is not cut short by a stop
+MEMORY_CHECK_S = 60.0  # how often the server's eviction policy and evictions are read
+POLICY_WARN_EVERY_S = 600.0  # an evicting policy is said again this often
 
 
 class Drainer:
@@ -74,6 +82,12 @@ class Drainer:
         self._on_stop_ms = f.drain_on_stop_ms
         self._idle_s = cfg.server.heartbeat_timeout_s / 4  # asleep: the heartbeat's pace
         self._warned_ms: int | None = None
+        # the first failed delivery of the current run of failures, and the queue's
+        # drops counted by then: what the line said when deliveries resume is drawn from
+        self._failing: tuple[int, int] | None = None
+        self._memory: Memory | None = None  # the last answer to ``check_memory``
+        self._memory_at = 0.0
+        self._policy_warned_at: float | None = None
 
     def _now_ms(self) -> int:
         return self._clock() // 1_000_000
@@ -86,6 +100,7 @@ class Drainer:
         backoff = 0.0
         deadline: int | None = None
         waker = asyncio.get_running_loop().create_task(self._wake_on(stop))
+        watcher = asyncio.get_running_loop().create_task(self._watch_memory(stop))
         try:
             while True:
                 now = self._now_ms()
@@ -123,7 +138,52 @@ class Drainer:
                 await self._pause(backoff, stop)
         finally:
             waker.cancel()
+            watcher.cancel()
             self._queue.resign_consumer()
+
+    async def _watch_memory(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.check_memory()
+            await self._pause(MEMORY_CHECK_S, stop)
+
+    async def check_memory(self) -> None:
+        """Warn if the server may evict fleet keys (when first seen, when its policy
+        changes, then every ``POLICY_WARN_EVERY_S``) and whenever it evicted some since
+        the last check. A server that does not answer, or will not say, is left alone:
+        the deliveries report an unreachable one."""
+        try:
+            mem = await self._store.memory(time.monotonic() + self._timeout_s)
+        except (TimeoutError, RedisError):
+            return
+        if mem is None:
+            return
+        now = time.monotonic()
+        last, last_at = self._memory, self._memory_at
+        self._memory, self._memory_at = mem, now
+        if mem.evicts and (
+            last is None
+            or last.policy != mem.policy
+            or self._policy_warned_at is None
+            or now - self._policy_warned_at >= POLICY_WARN_EVERY_S
+        ):
+            self._policy_warned_at = now
+            log.warning(
+                "Redis may evict fleet keys (maxmemory-policy %s, maxmemory %d bytes): an"
+                " evicted dedupe key lets a resend be stored again on another host, an"
+                " evicted bucket forgets a tenant's rate; set maxmemory-policy noeviction",
+                mem.policy,
+                mem.maxmemory,
+            )
+        elif not mem.evicts:
+            self._policy_warned_at = None
+        if last is not None and mem.evicted_keys > last.evicted_keys:
+            log.warning(
+                "Redis evicted %d keys in the last %.0f s (maxmemory-policy %s): resends of"
+                " events whose keys it evicted are stored again",
+                mem.evicted_keys - last.evicted_keys,
+                now - last_at,
+                mem.policy,
+            )
 
     def _corrupt(self, n: int) -> None:
         """Records that failed their check: counted, and said every time, since each is
@@ -149,6 +209,8 @@ class Drainer:
                 await self._store.settle(live, now_ms, time.monotonic() + self._timeout_s)
             except (TimeoutError, RedisError) as e:
                 self._row.add(Counter.DRAIN_ERRORS)
+                if self._failing is None:
+                    self._failing = (now_ms, self._dropped())
                 if self._warned_ms is None or now_ms - self._warned_ms >= WARN_EVERY_MS:
                     self._warned_ms = now_ms
                     log.warning(
@@ -157,11 +219,39 @@ class Drainer:
                         str(e) or type(e).__name__,
                         len(batch.records),
                         self._queue.depth(),
-                        totals(self._seg.view, self._seg.layout)[Counter.SETTLE_DROPPED],
+                        self._dropped(),
                     )
                 return None
+            if self._failing is not None:
+                self._resumed(now_ms)
         promotes = sum(1 for r in live if r.op is Op.PROMOTE)
         return promotes, len(live) - promotes, len(batch.records) - len(live)
+
+    def _dropped(self) -> int:
+        return totals(self._seg.view, self._seg.layout)[Counter.SETTLE_DROPPED]
+
+    def _resumed(self, now_ms: int) -> None:
+        """Deliveries work again: say for how long they failed and what a full queue
+        dropped meanwhile. The failure's warning comes once a minute and may have said
+        "0 dropped" just before the queue filled; each drop is a promote that may let a
+        resend be stored again, so the operator is told the total when it is known. Said
+        when the failures were warned about or dropped something: a flap within the
+        warning's minute stays as quiet as its failure was."""
+        assert self._failing is not None
+        since_ms, dropped_before = self._failing
+        self._failing = None
+        dropped = self._dropped() - dropped_before
+        warned = self._warned_ms is not None and self._warned_ms >= since_ms
+        if not (dropped or warned):  # a flap the once-a-minute warning did not mention
+            return
+        log.log(
+            logging.WARNING if dropped else logging.INFO,
+            "settle delivery works again after %.1f s of failures; %d queued, %d operations"
+            " dropped for a full queue meanwhile",
+            (now_ms - since_ms) / 1000,
+            self._queue.depth(),
+            dropped,
+        )
 
     def _count(self, delivered: tuple[int, int, int]) -> None:
         promotes, releases, expired = delivered

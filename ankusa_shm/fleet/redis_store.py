@@ -180,6 +180,30 @@ class RedisStore:
             raise errors[0]
         return sum(int(r[0]) for r in replies), sum(int(r[1]) for r in replies)
 
+    async def memory(self, deadline: float = _NEVER) -> Memory | None:
+        """What the server says of its memory limit and evictions (``INFO memory`` and
+        ``INFO stats``; on a cluster, the node that owns slot 0), or None if it will not
+        say (an ACL user may be denied ``INFO``). Past ``deadline``, TimeoutError."""
+        replies = await self.client.send(
+            [(b"", ("INFO", "memory")), (b"", ("INFO", "stats"))], deadline
+        )
+        if any(not isinstance(r, bytes) for r in replies):
+            return None
+        fields: dict[str, str] = {}
+        for r in replies:
+            for line in r.decode(errors="replace").splitlines():
+                name, sep, value = line.partition(":")
+                if sep:
+                    fields[name] = value.strip()
+        try:
+            return Memory(
+                int(fields.get("maxmemory", "0")),
+                fields.get("maxmemory_policy", "noeviction"),
+                int(fields.get("evicted_keys", "0")),
+            )
+        except ValueError:
+            return None
+
     async def reset_tenant(self, tenant: str) -> None:
         key = self.rate_key(tenant)
         (reply,) = await self.client.send([(key, ("DEL", key))])
@@ -200,6 +224,19 @@ class RedisStore:
     ) -> list[Reply]:
         """EVALSHA each call, all in one round trip (per node, on a cluster)."""
         return await self.client.send([_evalsha(script, k, a) for k, a in calls], deadline)
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    maxmemory: int  # bytes; 0 is no limit
+    policy: str  # maxmemory-policy
+    evicted_keys: int  # since the server started (or CONFIG RESETSTAT)
+
+    @property
+    def evicts(self) -> bool:
+        """Whether the server may evict fleet keys: every one of them has a TTL, so a
+        ``volatile-*`` policy evicts them as surely as an ``allkeys-*`` one."""
+        return self.maxmemory > 0 and self.policy != "noeviction"
 
 
 @dataclass(slots=True)
