@@ -312,6 +312,73 @@ def test_a_host_that_lost_its_segment_promotes_again_what_it_had_queued(
     assert svc.stop() == 0
 
 
+@pytest.mark.parametrize("loss", ["restart", "flushall"])
+def test_a_redis_that_lost_its_data_gets_this_hosts_hooks_again(
+    make: list[Service], tmp_path: Path, redis_server: RedisServer, loss: str
+) -> None:
+    """Redis restarted without persistence, or flushed: every committed key is gone and
+    every call still answers. The drainer sees the fleet's epoch key change and promotes
+    again, from the store, the hooks still in their window; before, a resend of any of
+    them to another host was stored again."""
+    svc = service(make, tmp_path, fleet_config(redis_server)).start()
+    with Load(svc.port, threads=2) as load:
+        time.sleep(1.0)
+    accepted = dict(load.tally.accepted)
+    assert len(accepted) > 20
+    r = redis_server.client()
+
+    def all_committed() -> bool:
+        keys = [f"ankusa:{{acme}}:dd:github:{d}" for d in accepted]
+        return r.mget(keys) == [f"c:{h}".encode() for h in accepted.values()]
+
+    wait_until(all_committed, what="every stored hook promoted")
+    time.sleep(1.5)  # the drainer has read the epoch
+    if loss == "restart":
+        redis_server.kill()
+        redis_server.start()
+        r = redis_server.client()
+    else:
+        r.flushall()
+    assert r.dbsize() <= 1
+    wait_until(all_committed, what="every stored hook promoted again")
+    assert "the fleet store lost its data" in svc.log()
+    assert counter(svc, Counter.REPROMOTED) >= len(accepted)
+    assert svc.stop() == 0
+
+
+def test_the_epoch_a_drainer_read_is_kept_for_the_next_one(
+    make: list[Service], tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """The epoch last read is kept in the segment: a new drainer on a Redis that kept its
+    data promotes nothing again, and one on a Redis flushed while no drainer ran does."""
+    svc = service(make, tmp_path, fleet_config(redis_server)).start()
+    body = b'{"n": 1}'
+    headers = signed(body)
+    hook_id = svc.post("github", body, headers).body["id"]
+    time.sleep(1.5)  # the drainer has read the epoch
+
+    def respawned(old: int) -> None:
+        wait_until(lambda: svc.pids("drainer") not in ([], [old]), what="a new drainer")
+
+    (drainer,) = svc.pids("drainer")
+    os.kill(drainer, signal.SIGKILL)
+    respawned(drainer)
+    time.sleep(2.5)
+    assert counter(svc, Counter.REPROMOTED) == 0
+    assert "lost its data" not in svc.log()
+
+    (drainer,) = svc.pids("drainer")
+    os.kill(drainer, signal.SIGSTOP)
+    r = redis_server.client()
+    r.flushall()
+    os.kill(drainer, signal.SIGKILL)
+    respawned(drainer)
+    key = f"ankusa:{{acme}}:dd:github:{headers['x-github-delivery']}"
+    wait_until(lambda: r.get(key) == f"c:{hook_id}".encode(), what="the hook promoted again")
+    assert counter(svc, Counter.REPROMOTED) == 1
+    assert svc.stop() == 0
+
+
 def test_a_supervisor_restarted_long_after_its_crash_still_recovers(
     make: list[Service], tmp_path: Path, redis_server: RedisServer
 ) -> None:

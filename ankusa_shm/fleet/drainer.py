@@ -22,6 +22,8 @@ It also asks Redis, at start and once a minute, whether it may evict keys (a
 ``volatile-*`` policy takes them) and how many it has evicted. An evicted committed key is
 a hook the fleet forgets inside its dedupe window, so a resend to another host is stored
 again, and nothing else would say so: the evictions answer every call without an error.
+Every second it reads the fleet's epoch key, and promotes this host's hooks again when
+Redis has lost its data (``epoch``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from ankusa_shm.child import QUEUE_TAKEN, BootError
 from ankusa_shm.clock import Clock, monotonic_ns
 from ankusa_shm.config import Config
 from ankusa_shm.credentials import MissingSecret, read_secret
+from ankusa_shm.fleet import epoch
 from ankusa_shm.fleet.redis_client import RedisError
 from ankusa_shm.fleet.redis_store import Memory, RedisStore
 from ankusa_shm.fleet.settle import UNKNOWN
@@ -88,6 +91,7 @@ class Drainer:
         self._memory: Memory | None = None  # the last answer to ``check_memory``
         self._memory_at = 0.0
         self._policy_warned_at: float | None = None
+        self._epoch = epoch.Epoch(cfg, store, seg.blob("epoch"), self._row, self._timeout_s)
 
     def _now_ms(self) -> int:
         return self._clock() // 1_000_000
@@ -100,7 +104,7 @@ class Drainer:
         backoff = 0.0
         deadline: int | None = None
         waker = asyncio.get_running_loop().create_task(self._wake_on(stop))
-        watcher = asyncio.get_running_loop().create_task(self._watch_memory(stop))
+        watcher = asyncio.get_running_loop().create_task(self._watch(stop))
         try:
             while True:
                 now = self._now_ms()
@@ -141,10 +145,16 @@ class Drainer:
             watcher.cancel()
             self._queue.resign_consumer()
 
-    async def _watch_memory(self, stop: asyncio.Event) -> None:
+    async def _watch(self, stop: asyncio.Event) -> None:
+        """The server's state, beside the deliveries: its epoch every ``epoch.CHECK_S``,
+        its memory every ``MEMORY_CHECK_S``."""
+        memory_at = -MEMORY_CHECK_S
         while not stop.is_set():
-            await self.check_memory()
-            await self._pause(MEMORY_CHECK_S, stop)
+            if time.monotonic() - memory_at >= MEMORY_CHECK_S:
+                memory_at = time.monotonic()
+                await self.check_memory()
+            await self._epoch.check()
+            await self._pause(epoch.CHECK_S, stop)
 
     async def check_memory(self) -> None:
         """Warn if the server may evict fleet keys (when first seen, when its policy

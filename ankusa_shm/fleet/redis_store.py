@@ -5,6 +5,8 @@ Keys (the tenant in braces is the Redis Cluster hash tag, so one hook's keys sha
     {prefix}:{<tenant>}:rl                   the tenant's GCRA theoretical arrival time (us)
     {prefix}:{<tenant>}:dd:<source>:<key>    "p:<token>" pending, expires at pending_ttl_ms;
                                              "c:<hook id>" committed, expires with the window
+    {prefix}:epoch                           set once, without a TTL, by the first host to find
+                                             it missing: a new value means the data is new
 
 Time is the Redis server's (``TIME`` inside the script), so hosts with skewed clocks still
 share one bucket. Scripts run by ``EVALSHA``: the client loads both on every connection and
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -203,6 +206,18 @@ class RedisStore:
             )
         except ValueError:
             return None
+
+    async def epoch(self, deadline: float = _NEVER) -> bytes | None:
+        """The epoch key's value, set to a new random one if it is missing (``SET NX``, then
+        ``GET``, in one round trip): a different value than last time means the server's
+        data was lost since (``epoch``). None if the server refused (no room, read-only).
+        Past ``deadline``, TimeoutError."""
+        key = f"{self._prefix}:epoch".encode()
+        fresh = os.urandom(8).hex()
+        _, value = await self.client.send(
+            [(key, ("SET", key, fresh, "NX")), (key, ("GET", key))], deadline
+        )
+        return value if isinstance(value, bytes) else None
 
     async def reset_tenant(self, tenant: str) -> None:
         key = self.rate_key(tenant)

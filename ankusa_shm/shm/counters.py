@@ -77,6 +77,11 @@ class Counter(enum.Enum):
     )
     SETTLED_PROMOTE = ("fleet_settled", (("op", "promote"),), "Settle operations sent, by op.")
     SETTLED_RELEASE = ("fleet_settled", (("op", "release"),), "")
+    REPROMOTED = (
+        "fleet_repromoted",
+        (),
+        "Hooks promoted again from the store after the fleet store lost its data.",
+    )
     DRAIN_ROUND_TRIPS = ("fleet_drain_round_trips", (), "Drainer round trips to the store.")
     DRAIN_ERRORS = ("fleet_drain_errors", (), "Drainer round trips that failed.")
 

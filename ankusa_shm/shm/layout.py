@@ -13,6 +13,7 @@ line prefetcher never makes two regions or two writers share a line):
     sources      a blob: the JSON list of source ids, in the order their request-count
                  rows were handed out (append-only, so a row never changes source)
     overrides    a blob: JSON {tenant: [rate, burst]}, the tenant limits set at run time
+    epoch        a blob: the fleet store's epoch key as the drainer last read it
     breaker      one packed state word; 32 time buckets of the sliding call window
     degraded     per kind (rate_limit, dedupe): a flag word and a last-warned word
     processes    one 128-byte slot per process: header word, start time, heartbeat,
@@ -32,10 +33,11 @@ it), a length word, then the bytes. A reader copies the bytes between two loads 
 generation and keeps them only if both were the same even number.
 
 Who writes what. The supervisor writes the header, config and sources, and overrides at
-start; after that the admin process alone writes overrides. Any process that claims a
-process slot writes that slot and adds to its counter row, the breaker, the degraded
-flags, the GCRA table and the queue's enqueue side. Only the drainer (the queue's single
-consumer, named by its pid) advances the dequeue side. Readers write nothing.
+start; after that the admin process alone writes overrides, and the drainer alone writes
+epoch. Any process that claims a process slot writes that slot and adds to its counter
+row, the breaker, the degraded flags, the GCRA table and the queue's enqueue side. Only
+the drainer (the queue's single consumer, named by its pid) advances the dequeue side.
+Readers write nothing.
 
 Memory ordering. Every word is a naturally aligned signed 64-bit integer touched only
 through ``_atomics`` (sequentially consistent load/store/fetch-add/compare-and-swap). Byte
@@ -79,7 +81,7 @@ import struct
 from dataclasses import dataclass, fields
 
 MAGIC = int.from_bytes(b"ANKUSHM\x01", "little")
-LAYOUT_VERSION = 4
+LAYOUT_VERSION = 5
 LINE = 128
 WORD = 8
 PID_BITS = 22  # Linux's pid_max is at most 2**22
@@ -104,6 +106,7 @@ REGIONS = (
     "config",
     "sources",
     "overrides",
+    "epoch",
     "breaker",
     "degraded",
     "processes",
@@ -115,11 +118,11 @@ REGIONS = (
     "gcra",
 )
 
-# -- blobs: config, sources, overrides ------------------------------------------------------
+# -- blobs: config, sources, overrides, epoch -----------------------------------------------
 BLOB_GENERATION = 0  # odd while its writer rewrites it
 BLOB_LENGTH = 8
 BLOB_DATA = 16
-BLOB_BYTES = {"config": 16_384, "sources": 8_192, "overrides": 65_536}  # with the two words
+BLOB_BYTES = {"config": 16_384, "sources": 8_192, "overrides": 65_536, "epoch": 256}
 CONFIG_BYTES = BLOB_BYTES["config"]
 
 # -- request counts -------------------------------------------------------------------------

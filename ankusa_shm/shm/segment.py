@@ -253,7 +253,7 @@ class Segment:
         )
 
     def blob(self, region: str) -> Blob:
-        """One of the segment's JSON documents: config, sources, overrides."""
+        """One of the segment's JSON documents: config, sources, overrides, epoch."""
         return Blob(self.view, self.buf, self.layout, region)
 
     def write_config(self, snapshot: dict[str, object]) -> None:

@@ -1,0 +1,109 @@
+"""Notice the fleet store losing its data, and give it back this host's hooks.
+
+A Redis restarted without persistence, flushed, or wiped by a replica's full resync
+forgets every committed dedupe key at once, and answers every call afterwards as if
+nothing had happened: a resend of an event this host stored is then stored again by
+whichever host it reaches. So the fleet keeps one key without a TTL, ``<prefix>:epoch``,
+set by the first host to find it missing, and each host's drainer reads it every
+``CHECK_S``. A value other than the one it last read means the data it stood beside is
+gone; the drainer then promotes again, from this host's store, every keyed hook still in
+its dedupe window (the newest ``fleet.settle_queue_size`` of them): the promotes a crash
+recovery sends, idempotent and never over another host's committed hook.
+
+The value last read is kept in the segment, so a drainer or supervisor restarted
+meanwhile still compares with it; a host started on a new segment promotes its window
+anyway (the supervisor's recovery). On a Redis Cluster the key lives on one node: a node
+that loses its data alone is not seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from ankusa_shm.config import Config
+from ankusa_shm.fleet.redis_client import RedisError
+from ankusa_shm.fleet.redis_store import RedisStore
+from ankusa_shm.fleet.settle import UNKNOWN
+from ankusa_shm.shm.blob import Blob
+from ankusa_shm.shm.counters import Counter, CounterRow
+from ankusa_shm.shm.settle_queue import Op, Record
+from ankusa_shm.store import readers
+from ankusa_shm.store.schema import StoreError
+
+log = logging.getLogger("ankusa_shm.drainer")
+
+CHECK_S = 1.0
+PROMOTES_PER_CALL = 1_000
+
+
+class Epoch:
+    def __init__(
+        self, cfg: Config, store: RedisStore, blob: Blob, row: CounterRow, timeout_s: float
+    ) -> None:
+        self._store = store
+        self._blob = blob
+        self._row = row
+        self._timeout_s = timeout_s
+        self._path = cfg.store.path
+        self._most = cfg.fleet.settle_queue_size
+        self._window_ms = max((s.dedupe_ttl_s for s in cfg.sources), default=0) * 1000
+
+    async def check(self) -> None:
+        """Read the epoch; if it changed, promote this host's window again. A server that
+        does not answer is left for the next check, and so is a promote that failed: the
+        new value is kept only once every promote went out."""
+        try:
+            value = await self._store.epoch(time.monotonic() + self._timeout_s)
+        except (TimeoutError, RedisError):
+            return
+        if value is None:
+            return
+        seen = self._blob.read()
+        current = value.decode(errors="replace")
+        if seen == current:
+            return
+        if seen is not None:
+            log.warning(
+                "the fleet store lost its data (its epoch key changed: a restart without "
+                "persistence, a flush, or a replica's resync); promoting this host's "
+                "hooks in their dedupe window again"
+            )
+            if not await self._promote_window():
+                return
+        self._blob.write(current)
+
+    async def _promote_window(self) -> bool:
+        wall_ms = time.time_ns() // 1_000_000
+        try:
+            hooks = await asyncio.to_thread(
+                readers.claimed_since, self._path, wall_ms - self._window_ms, self._most
+            )
+        except StoreError as e:
+            log.warning("cannot read the store to promote its hooks again: %s", e)
+            return False
+        now_ms = time.monotonic_ns() // 1_000_000
+        records = [
+            Record(
+                Op.PROMOTE,
+                self._store.dedupe_key(tenant, source, key),
+                b"",
+                hook_id.encode(),
+                expires_ms - wall_ms,
+                UNKNOWN,
+                now_ms,
+            )
+            for tenant, source, key, hook_id, expires_ms in hooks
+            if expires_ms > wall_ms
+        ]
+        for i in range(0, len(records), PROMOTES_PER_CALL):
+            part = records[i : i + PROMOTES_PER_CALL]
+            try:
+                await self._store.settle(part, now_ms, time.monotonic() + self._timeout_s)
+            except (TimeoutError, RedisError) as e:
+                log.warning("promoting again stopped at %d of %d: %s", i, len(records), e)
+                return False
+            self._row.add(Counter.REPROMOTED, len(part))
+        log.info("promoted again %d hooks stored on this host", len(records))
+        return True
