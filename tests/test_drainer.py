@@ -44,6 +44,7 @@ from ankusa_shm import config, metrics
 from ankusa_shm.config import Config
 from ankusa_shm.fleet.admission import Admit, Admitted, Claim, Fleet, RateLimited
 from ankusa_shm.fleet.drainer import Drainer
+from ankusa_shm.fleet.epoch import Epoch
 from ankusa_shm.fleet.redis_store import RedisStore
 from ankusa_shm.hooks import AlreadyStored, Committed, NotStored
 from ankusa_shm.shm import layout as L
@@ -666,3 +667,46 @@ def test_deliveries_that_work_again_say_what_a_full_queue_dropped_meanwhile(
         again = [m for m in lines if "works again" in m]
         assert len(again) == 1, lines
         assert "5 operations dropped for a full queue meanwhile" in again[0]
+
+
+def test_a_changed_epoch_is_promoted_for_only_when_the_server_does_not_evict(
+    redis_server: RedisServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a Redis that may evict keys, a changed epoch may be the key evicted, and a window
+    promoted into a full server would evict more: said, nothing promoted. Elsewhere a
+    change is promoted for, and the new value kept only once that went out (here the store
+    cannot be read, so it is not, and the next check tries again)."""
+    with segments(1) as (seg,):
+        raw = fleet_raw(redis_server.url, bare(seg))
+        raw["store"] = {"path": str(tmp_path / "absent" / "hooks.db")}
+        cfg = config.parse(raw, "epoch-test")
+        blob = seg.blob("epoch")
+
+        async def body() -> None:
+            store = RedisStore.from_config(cfg.fleet)
+            slot = procs.claim(seg.view, seg.layout, Role.DRAINER)
+            watch = Epoch(cfg, store, blob, slot.counters, 1.0)
+            try:
+                await watch.check()
+                first = blob.read()
+                assert isinstance(first, str)
+                with redis_server.client() as r:
+                    r.flushall()
+                    await watch.check(evicting=True)
+                    second = blob.read()
+                    assert second not in (None, first)
+                    r.flushall()
+                    await watch.check()
+                    assert blob.read() == second
+            finally:
+                await store.close()
+                slot.release()
+
+        with caplog.at_level(logging.WARNING, logger="ankusa_shm.drainer"):
+            run(body())
+        assert totals(seg)[Counter.REPROMOTED] == 0
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 3, said
+    assert "on a Redis that may evict keys" in said[0]
+    assert said[1].startswith("the fleet store lost its data")
+    assert said[2].startswith("cannot read the store")

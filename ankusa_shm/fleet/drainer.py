@@ -153,7 +153,7 @@ class Drainer:
             if time.monotonic() - memory_at >= MEMORY_CHECK_S:
                 memory_at = time.monotonic()
                 await self.check_memory()
-            await self._epoch.check()
+            await self._epoch.check(self._memory is not None and self._memory.evicts)
             await self._pause(epoch.CHECK_S, stop)
 
     async def check_memory(self) -> None:

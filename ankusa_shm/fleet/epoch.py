@@ -50,10 +50,13 @@ class Epoch:
         self._most = cfg.fleet.settle_queue_size
         self._window_ms = max((s.dedupe_ttl_s for s in cfg.sources), default=0) * 1000
 
-    async def check(self) -> None:
+    async def check(self, evicting: bool = False) -> None:
         """Read the epoch; if it changed, promote this host's window again. A server that
         does not answer is left for the next check, and so is a promote that failed: the
-        new value is kept only once every promote went out."""
+        new value is kept only once every promote went out. On a server that ``evicting``
+        (its policy may evict keys), a changed epoch may be the key evicted, not the data
+        lost, and promoting a whole window into a full server would evict more: it is
+        said, and nothing promoted."""
         try:
             value = await self._store.epoch(time.monotonic() + self._timeout_s)
         except (TimeoutError, RedisError):
@@ -64,7 +67,12 @@ class Epoch:
         current = value.decode(errors="replace")
         if seen == current:
             return
-        if seen is not None:
+        if seen is not None and evicting:
+            log.warning(
+                "the fleet store's epoch key changed, on a Redis that may evict keys: not "
+                "promoting this host's hooks again (set maxmemory-policy noeviction)"
+            )
+        elif seen is not None:
             log.warning(
                 "the fleet store lost its data (its epoch key changed: a restart without "
                 "persistence, a flush, or a replica's resync); promoting this host's "
