@@ -6,6 +6,7 @@ works through them; a certificate the client cannot verify or a wrong password i
 
 from __future__ import annotations
 
+import logging
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -253,3 +254,32 @@ def test_acl_no_password_is_an_error(acl_server: RedisServer) -> None:
     by the server (NOAUTH), which the fleet answers node-local."""
     cfg = fleet_config(acl_url(acl_server), "unused")
     answered_node_local(cfg)
+
+
+@pytest.mark.parametrize("case", ["wrong password", "no EVALSHA"])
+def test_a_server_that_refuses_the_client_is_an_error_that_says_what_to_fix(
+    acl_server: RedisServer,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    case: str,
+) -> None:
+    """A wrong password or an ACL without a command the scripts need looks like an outage
+    (every hook answered node-local), and waiting will not end it: it is said at ERROR,
+    with the settings to check, not as the once-a-minute warning of an outage."""
+    user, password = USER, PASSWORD
+    if case == "wrong password":
+        password = "not-the-password"
+    else:
+        user = "edge-noeval"
+        with admin(acl_server) as r:
+            r.execute_command(
+                "ACL", "SETUSER", user, "on", f">{PASSWORD}", "~ankusa:*", "+@all", "-evalsha"
+            )
+    monkeypatch.setenv(ENV, password)
+    cfg = fleet_config(acl_url(acl_server, user), "unused", password_env=ENV)
+    with caplog.at_level(logging.WARNING, logger="ankusa_shm.fleet"):
+        answered_node_local(cfg, drainer_store(cfg))
+    said = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert [level for level, _ in said] == [logging.ERROR, logging.ERROR], said  # per kind
+    code = "WRONGPASS" if case == "wrong password" else "NOPERM"
+    assert all(code in m and "check fleet.password_env" in m for _, m in said), said

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from ankusa_shm.clock import Clock, monotonic_ns
 from ankusa_shm.config import Config, Source
 from ankusa_shm.fleet import redis_store
-from ankusa_shm.fleet.redis_client import RedisError
+from ankusa_shm.fleet.redis_client import REFUSED_HINT, RedisError, refused
 from ankusa_shm.fleet.redis_store import RedisStore
 from ankusa_shm.fleet.settle import NO_TOKEN, Claim, Settler
 from ankusa_shm.hooks import CommitResult, Envelope
@@ -280,11 +280,17 @@ class Fleet:
             self._row.add(_FALLBACK[kind])
             self._degraded.set(kind, True)
             if self._degraded.claim_warning(kind, now_ms):
-                log.warning("%s: answering %s node-local on this host", self._why(failed), kind)
+                why = self._why(failed)
+                if refused(self._failure):  # a config to fix: said as an error, with how
+                    log.error(
+                        "%s: answering %s node-local on this host; %s", why, kind, REFUSED_HINT
+                    )
+                else:
+                    log.warning("%s: answering %s node-local on this host", why, kind)
 
     def _why(self, failed: BaseException | None) -> str:
-        if failed is None:
-            return "the fleet store breaker is open"
+        if failed is None:  # and the call that last failed, since the open breaker hides it
+            return f"the fleet store breaker is open ({self._why(self._failure)})"
         if isinstance(failed, TimeoutError):
             return f"the last fleet store call had no answer within {self._budget_s * 1000:g} ms"
         return f"the last fleet store call failed ({failed})"

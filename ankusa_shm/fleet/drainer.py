@@ -43,7 +43,7 @@ from ankusa_shm.clock import Clock, monotonic_ns
 from ankusa_shm.config import Config
 from ankusa_shm.credentials import MissingSecret, read_secret
 from ankusa_shm.fleet import epoch
-from ankusa_shm.fleet.redis_client import RedisError
+from ankusa_shm.fleet.redis_client import REFUSED_HINT, RedisError, refused
 from ankusa_shm.fleet.redis_store import Memory, RedisStore
 from ankusa_shm.fleet.settle import UNKNOWN
 from ankusa_shm.shm import procs
@@ -223,13 +223,15 @@ class Drainer:
                     self._failing = (now_ms, self._dropped())
                 if self._warned_ms is None or now_ms - self._warned_ms >= WARN_EVERY_MS:
                     self._warned_ms = now_ms
-                    log.warning(
+                    log.log(
+                        logging.ERROR if refused(e) else logging.WARNING,
                         "settle delivery failed (%s); keeping %d operations, %d queued, %d"
-                        " dropped so far for a full queue",
+                        " dropped so far for a full queue%s",
                         str(e) or type(e).__name__,
                         len(batch.records),
                         self._queue.depth(),
                         self._dropped(),
+                        f"; {REFUSED_HINT}" if refused(e) else "",
                     )
                 return None
             if self._failing is not None:

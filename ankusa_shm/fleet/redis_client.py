@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import re
 import ssl
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -61,6 +62,19 @@ class RedisError(Exception):
 
 class ReplyError(RedisError):
     """The server answered with an error reply (``-ERR ...``, ``-NOSCRIPT ...``)."""
+
+
+_REFUSED = re.compile(r"\b(WRONGPASS|NOAUTH|NOPERM)\b")
+REFUSED_HINT = (
+    "the server refuses this client, which no wait will cure: check fleet.password_env or "
+    "fleet.password_file, the URL's user, and that user's ACL"
+)
+
+
+def refused(e: BaseException | None) -> bool:
+    """Whether ``e`` is the server refusing this client (a wrong password, a user whose ACL
+    lacks a command or key): a configuration to fix, not an outage to wait out."""
+    return isinstance(e, RedisError) and _REFUSED.search(str(e)) is not None
 
 
 class ProtocolError(RedisError):
