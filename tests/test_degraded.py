@@ -1,4 +1,4 @@
-"""Degraded flags per kind, and the host-wide once-a-minute warning gate."""
+"""Degraded flags per kind, and what the log says of them, host-wide."""
 
 from __future__ import annotations
 
@@ -11,70 +11,81 @@ from ankusa_shm.shm.degraded import WARN_EVERY_MS, Degraded
 from ankusa_shm.shm.segment import Segment
 
 T0 = 5_000_000
+STABLE = 10_000
 
 
 def test_flags_per_kind(seg: Segment) -> None:
     d = Degraded(seg.view, seg.layout)
     assert not d.is_set("rate_limit") and not d.is_set("dedupe")
-    assert d.set("rate_limit", True) is True
-    assert d.set("rate_limit", True) is False  # already set: no change, no write
-    assert d.is_set("rate_limit")
-    assert not d.is_set("dedupe")
+    d.failed("rate_limit", T0)
+    assert d.is_set("rate_limit") and not d.is_set("dedupe")
     other = Degraded(seg.view, seg.layout)  # another process's view of the same flags
     assert other.is_set("rate_limit")
-    assert other.set("rate_limit", False) is True
+    other.answered("rate_limit", T0 + 1, STABLE)  # cleared at once, said or not
     assert not d.is_set("rate_limit")
-    assert d.set("dedupe", True) is True
+    d.failed("dedupe", T0)
     assert d.is_set("dedupe") and not d.is_set("rate_limit")
     with pytest.raises(ValueError):
         d.is_set("nonsense")
 
 
-def test_clearing_says_whether_a_warning_was_logged(seg: Segment) -> None:
-    """Only the process that clears a flag someone warned about is told to say it is back:
-    one line each way, however often the flag flaps within the minute."""
+def test_an_outage_is_said_at_once_then_once_a_minute(seg: Segment) -> None:
     d = Degraded(seg.view, seg.layout)
-    assert d.clear("dedupe") is False  # already off
-    d.set("dedupe", True)
-    assert d.clear("dedupe") is False  # on, but nobody warned
-    d.set("dedupe", True)
-    assert d.claim_warning("dedupe", T0) is True
-    assert d.is_set("dedupe") and d.set("dedupe", True) is False
-    assert d.clear("dedupe") is True
-    assert d.clear("dedupe") is False and not d.is_set("dedupe")
-    d.set("dedupe", True)  # flapping within the minute: no warning, so no "back" either
-    assert d.claim_warning("dedupe", T0 + 1) is False
-    assert d.clear("dedupe") is False
+    assert d.failed("dedupe", T0) is True
+    assert d.failed("dedupe", T0) is False
+    assert d.failed("dedupe", T0 + WARN_EVERY_MS - 1) is False
+    assert d.failed("rate_limit", T0 + 1) is True  # each kind on its own
+    assert d.failed("dedupe", T0 + WARN_EVERY_MS) is True
+    assert d.failed("dedupe", T0 + WARN_EVERY_MS + 1) is False
+    assert d.failed("dedupe", T0 + 2 * WARN_EVERY_MS) is True
 
 
-def test_warning_at_most_once_a_minute(seg: Segment) -> None:
+def test_the_end_is_said_once_answered_a_whole_window_after_the_last_failure(
+    seg: Segment,
+) -> None:
+    """Calls flapping within the window never make the log say the fleet answers again
+    (an audit saw that line in the same millisecond as the failure after it, and the
+    minute's gate then kept the failure unsaid)."""
     d = Degraded(seg.view, seg.layout)
-    assert d.claim_warning("dedupe", T0) is True
-    assert d.claim_warning("dedupe", T0) is False
-    assert d.claim_warning("dedupe", T0 + WARN_EVERY_MS - 1) is False
-    assert d.claim_warning("rate_limit", T0 + 1) is True  # each kind has its own minute
-    assert d.claim_warning("dedupe", T0 + WARN_EVERY_MS) is True
-    assert d.claim_warning("dedupe", T0 + WARN_EVERY_MS + 1) is False
-    assert d.claim_warning("dedupe", T0 + 2 * WARN_EVERY_MS - 1) is False
-    assert d.claim_warning("dedupe", T0 + 2 * WARN_EVERY_MS) is True
+    assert d.answered("dedupe", T0, STABLE) is False  # nothing was said
+    assert d.failed("dedupe", T0) is True
+    for t in range(T0 + 1, T0 + 5_000, 500):  # flapping
+        assert d.answered("dedupe", t, STABLE) is False
+        assert d.failed("dedupe", t + 200) is False
+    last = T0 + 4_701
+    assert d.answered("dedupe", last + STABLE - 200, STABLE) is False
+    assert d.answered("dedupe", last + STABLE, STABLE) is True
+    assert d.answered("dedupe", last + STABLE + 1, STABLE) is False  # said once
+    # The next outage, seconds later, is said at once: the last line said it was over.
+    assert d.failed("dedupe", last + STABLE + 2_000) is True
+    assert d.failed("dedupe", last + STABLE + 2_001) is False
 
 
-def test_warning_at_time_zero_still_counts(seg: Segment) -> None:
+def test_a_failure_at_time_zero_still_counts(seg: Segment) -> None:
     d = Degraded(seg.view, seg.layout)
-    assert d.claim_warning("dedupe", 0) is True
-    assert d.claim_warning("dedupe", 1) is False  # 0 means "never warned": not reused
+    assert d.failed("dedupe", 0) is True
+    assert d.failed("dedupe", 1) is False
 
 
-def _claim(i: int, name: str, now: int, start: Barrier) -> bool:
+def _fail(i: int, name: str, now: int, start: Barrier) -> bool:
     with Segment.attach(name) as s:
         d = Degraded(s.view, s.layout)
         start.wait(60)
-        return d.claim_warning("rate_limit", now)
+        return d.failed("rate_limit", now)
+
+
+def _answer(i: int, name: str, now: int, start: Barrier) -> bool:
+    with Segment.attach(name) as s:
+        d = Degraded(s.view, s.layout)
+        start.wait(60)
+        return d.answered("rate_limit", now, STABLE)
 
 
 @pytest.mark.parametrize("n", [2, 6])
-def test_racing_processes_one_warning(seg: Segment, n: int) -> None:
-    won = run_children(n, _claim, seg.name, T0, CTX.Barrier(n))
-    assert sorted(won) == [False] * (n - 1) + [True]
-    won = run_children(n, _claim, seg.name, T0 + WARN_EVERY_MS, CTX.Barrier(n))
-    assert won.count(True) == 1
+def test_racing_processes_one_line(seg: Segment, n: int) -> None:
+    said = run_children(n, _fail, seg.name, T0, CTX.Barrier(n))
+    assert sorted(said) == [False] * (n - 1) + [True]
+    said = run_children(n, _fail, seg.name, T0 + WARN_EVERY_MS, CTX.Barrier(n))
+    assert said.count(True) == 1
+    said = run_children(n, _answer, seg.name, T0 + WARN_EVERY_MS + STABLE, CTX.Barrier(n))
+    assert said.count(True) == 1

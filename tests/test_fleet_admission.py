@@ -801,7 +801,7 @@ def test_timed_out_calls_never_corrupt_later_replies(redis_server: RedisServer) 
 
 def test_degraded_warning_once_per_host(redis_server: RedisServer, tmp_path: Path) -> None:
     with segments(1) as (seg,):
-        cfg = fleet_config(redis_server.url, bare(seg), timeout_ms=50)
+        cfg = fleet_config(redis_server.url, bare(seg), timeout_ms=50, breaker_window_ms=1000)
 
         async def fall_back(w: Worker) -> list[Admitted]:
             return [await w.admit(f"w{w.index}-{i}") for i in range(5)]
@@ -818,8 +818,10 @@ def test_degraded_warning_once_per_host(redis_server: RedisServer, tmp_path: Pat
         assert all(" WARNING " in ln for ln in lines)
         assert all("had no answer within 50 ms" in ln for ln in lines), lines
 
-        # Back: the process whose call clears a flag that was warned about says so, once
-        # per kind, and the calls after it are silent.
+        # Back: the first call answered a breaker window after the last failure says so,
+        # once per kind, and the calls after it are silent.
+        time.sleep(1.0)
+
         async def answered(w: Worker) -> list[Admitted]:
             return [await w.admit(f"w{w.index}-back-{i}") for i in range(5)]
 

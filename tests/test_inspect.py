@@ -89,7 +89,7 @@ def busy(seg: Segment) -> Iterator[list[int]]:
     seg.view.store(
         seg.layout.offset("breaker") + L.BR_STATE, breaker.pack(breaker.State.OPEN, 0, 12345)
     )
-    Degraded(seg.view, seg.layout).set("dedupe", True)
+    Degraded(seg.view, seg.layout).failed("dedupe", 1)
     q = SettleQueue(seg.view, seg.buf, seg.layout)
     for i in range(2):
         q.push(Record(Op.PROMOTE, b"k%d" % i, bytes(16), b"h%d" % i, 1, 2, 3))

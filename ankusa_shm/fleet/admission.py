@@ -120,6 +120,7 @@ class Fleet:
             self._row,
         )
         self._degraded = Degraded(seg.view, seg.layout)
+        self._stable_ms = f.breaker_window_ms  # answered this long: said to be back
         self._gcra = GcraTable(seg.view, seg.buf, seg.layout, self._row)
         self._settler = Settler(SettleQueue(seg.view, seg.buf, seg.layout), self._row, clock)
 
@@ -252,7 +253,7 @@ class Fleet:
             claim = Claim(claim.key, claim.token, claim.ttl_ms, ended // 1_000_000)
         if self._breaker.closed():  # a late success while open changes nothing
             for kind in self._kinds:
-                if self._degraded.clear(kind):
+                if self._degraded.answered(kind, ended // 1_000_000, self._stable_ms):
                     log.info("the fleet store answers again: answering %s fleet-wide", kind)
         if verdict == redis_store.DUPLICATE:
             assert isinstance(value, bytes)
@@ -278,8 +279,7 @@ class Fleet:
         if the breaker let none be made."""
         for kind in self._kinds:
             self._row.add(_FALLBACK[kind])
-            self._degraded.set(kind, True)
-            if self._degraded.claim_warning(kind, now_ms):
+            if self._degraded.failed(kind, now_ms):
                 why = self._why(failed)
                 if refused(self._failure):  # a config to fix: said as an error, with how
                     log.error(

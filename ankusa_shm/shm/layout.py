@@ -160,8 +160,10 @@ BK_COUNT_MASK = 0xFFFF
 
 # -- degraded flags -----------------------------------------------------------------------
 KINDS = ("rate_limit", "dedupe")
-DG_FLAG = 0  # within each kind's line
+DG_FLAG = 0  # within each kind's line: 1 while answered node-local
 DG_WARNED_MS = 8  # monotonic ms of the last warning, 0 = never
+DG_FAILED_MS = 16  # monotonic ms of the last call that failed (or was not made), about
+DG_SAID = 24  # 1 from a warning until the line that says the fleet answers again
 
 # -- process slots --------------------------------------------------------------------------
 PROCESS_SLOT_BYTES = LINE
