@@ -38,7 +38,8 @@ def publish_stored(blob: Blob, store_path: str) -> None:
     try:
         stored = readers.overrides(store_path)
     except StoreError as e:
-        if os.path.exists(store_path):
+        # No file, or one a worker has created and not yet given its tables: none stored.
+        if os.path.exists(store_path) and "no such table" not in str(e):
             log.warning("tenant overrides not published: %s", e)
         return
     publish(blob, stored)
