@@ -102,12 +102,12 @@ def bind(
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if reuse_port:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            try:
-                sock.bind((host, port))
+            try:  # listen() too: a port another socket has bound and not yet listened on
+                sock.bind((host, port))  # binds here (SO_REUSEADDR) and refuses at listen()
+                if listen:
+                    sock.listen(backlog)
             except OSError as e:
                 raise BindError(f"cannot listen on {address}: {e.strerror}") from None
-            if listen:
-                sock.listen(backlog)
             sock.setblocking(False)
     except BaseException:
         for s in socks:
