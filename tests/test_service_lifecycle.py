@@ -5,6 +5,7 @@ watchdog over a real notify socket, and two hosts sharing one Redis."""
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import re
@@ -737,6 +738,47 @@ def _peak_workers(log: str) -> int:
         (live.add if m[2] == "started" else live.discard)(m[1])
         peak = max(peak, len(live))
     return peak
+
+
+def test_a_reload_resets_no_kept_alive_client(make: list[Service], tmp_path: Path) -> None:
+    """Clients that keep their connections and send every 50 ms, across a HUP: a retiring
+    worker keeps an idle connection a moment for the request its client may be sending,
+    and answers it with connection: close. Before, it closed idle connections at once and
+    every such client's next request was reset (wrk: 72 read errors in 6 reloads)."""
+    svc = service(make, tmp_path).start()
+    failures: list[str] = []
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        conn = svc.connection(timeout=5)
+        while not stop.is_set():
+            body = json.dumps({"n": len(statuses)}).encode()
+            try:
+                statuses.append(svc.post("github", body, signed(body), conn=conn).status)
+            except (OSError, http.client.HTTPException) as e:
+                failures.append(repr(e))
+                conn.close()
+                conn = svc.connection(timeout=5)
+            time.sleep(0.05)
+        conn.close()
+
+    clients = [threading.Thread(target=client) for _ in range(6)]
+    for t in clients:
+        t.start()
+    try:
+        time.sleep(0.5)
+        for i in range(1, 3):
+            svc.send(signal.SIGHUP)
+            wait_until(lambda n=i: svc.log().count("reload complete") == n, what="the reload")
+            time.sleep(1.5)
+    finally:
+        stop.set()
+        for t in clients:
+            t.join(10)
+    assert failures == []
+    assert len(statuses) > 100 and set(statuses) == {201}
+    assert svc.stop() == 0
 
 
 def test_a_burst_of_hups_boots_no_more_workers_than_the_count(

@@ -47,9 +47,10 @@ SWEEP_S = 0.25
 PIPELINE_DEPTH = 16  # requests parsed ahead of their answers before reading pauses
 LINGER_S = 1.0  # after an error answer: how long to discard what the client still sends
 SHED_LOG_S = 60.0  # at most one warning this often while connections are being shed
-# On a graceful stop: how long a connection taken moments before, that has not sent a byte
-# yet, has to send its first request (its client cannot tell it reached a leaving process)
-FIRST_REQUEST_GRACE_S = 1.0
+# On a graceful stop: how long an idle connection is kept for a request its client may be
+# sending at that very moment (one closed under it is reset, and the hook refused): a
+# client that sends within it is answered, with ``connection: close``
+STOP_GRACE_S = 1.0
 
 
 # Request and Response are built once per request and never changed; not frozen, since
@@ -158,7 +159,7 @@ class Connection(asyncio.Protocol):
         # an error answer kept until the answers queued before it are written: the answer,
         # and the path and first byte of its request, for the observer
         self._refusal: tuple[Response, bytes, int] | None = None
-        self._made_at = time.monotonic()
+        self._idle_since = time.monotonic()  # between requests since then (or never sent)
         # the request being parsed
         self._in_request = False
         self._started_ns = 0  # 0 until its first request begins
@@ -417,7 +418,8 @@ class Connection(asyncio.Protocol):
     # -- limits -------------------------------------------------------------------------
 
     def _expect_idle(self) -> None:
-        self._deadline = time.monotonic() + self._limits.keepalive_timeout_s
+        self._idle_since = now = time.monotonic()
+        self._deadline = now + self._limits.keepalive_timeout_s
         self._deadline_error = ""
         self._server.idle[self] = None  # the last to become idle, the last to be shed
 
@@ -446,15 +448,17 @@ class Connection(asyncio.Protocol):
             self._transport.close()
 
     def stop(self) -> None:
-        """The server is stopping: a connection between requests closes now (a client
-        must expect that of a kept-alive one); one with a request begun or queued closes
-        after its answer, which says ``connection: close``; a new one that has yet to
-        send anything gets ``FIRST_REQUEST_GRACE_S`` to begin its request."""
+        """The server is stopping: a connection with a request begun or queued closes
+        after its answer, which says ``connection: close``; one between requests closes
+        once it has been idle ``STOP_GRACE_S`` (a client must expect that of a kept-alive
+        one), so that a request its client was sending as the stop began is answered,
+        not reset: a pooled client sending every few milliseconds was reset on every
+        reload. (A new connection is idle from the start.)"""
         if self._transport is None or self._task is not None or self._pipeline:
             return
         if self._in_request:  # its answer will close it
             return
-        if not self._started_ns and time.monotonic() - self._made_at < FIRST_REQUEST_GRACE_S:
+        if time.monotonic() - self._idle_since < STOP_GRACE_S:
             return
         self._transport.close()
 
