@@ -89,6 +89,10 @@ def test_a_signed_hook_is_stored_and_its_resend_is_a_duplicate(svc: Service) -> 
     assert again.status == 201
     assert again.body == {"status": "accepted", "id": first.body["id"], "duplicate": True}
     assert readers.count(svc.store_path) == 1
+    # Admitted (node scope asks no one else), then caught by the store: counted as such.
+    metrics = svc.admin("GET", "/metrics")[2].decode()
+    assert 'ankusa_admit_total{result="ok"} 2.0' in metrics
+    assert "ankusa_store_duplicates_total 1.0" in metrics
 
 
 def test_a_chunked_hook_is_stored_whole_and_its_trailer_is_not_kept(svc: Service) -> None:

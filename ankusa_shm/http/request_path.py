@@ -142,5 +142,6 @@ class RequestPath:
         if isinstance(result, Committed):
             return accepted(result.hook_id)
         if isinstance(result, AlreadyStored):
+            self._row.add(Counter.STORE_DUPLICATE)
             return accepted(result.hook_id, duplicate=True)
         return STORE_UNAVAILABLE

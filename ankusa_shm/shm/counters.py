@@ -32,6 +32,12 @@ class Counter(enum.Enum):
     ADMIT_DUPLICATE = ("admit", (("result", "duplicate"),), "")
     ADMIT_RATE_LIMITED = ("admit", (("result", "rate_limited"),), "")
     ADMIT_DEDUPE_PENDING = ("admit", (("result", "dedupe_pending"),), "")
+    STORE_DUPLICATE = (
+        "store_duplicates",
+        (),
+        "Hooks admitted and then found in the store's own dedupe index, answered as "
+        "duplicates: every duplicate in node scope, and in fleet scope one Redis did not catch.",
+    )
     RATE_LIMIT_REJECTED = ("rate_limit_rejected", (), "Hooks refused by a tenant rate limit.")
     LIMITER_TABLE_FULL = (
         "limiter_table_full",
