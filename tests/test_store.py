@@ -934,3 +934,24 @@ def test_every_claim_is_settled_once_from_the_writer_thread(tmp_path: Path) -> N
     }
     threads = {c: t for c, _, t in settled}
     assert threads["c-first"] == threads["c-again"] == "ankusa-store-writer"
+
+
+def test_the_log_file_is_cut_back_when_it_starts_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a limit the -wal file keeps the largest size it ever had."""
+    monkeypatch.setattr(schema, "LOG_SIZE_LIMIT", 1 << 20)
+    path = tmp_path / "hooks.db"
+    conn = schema.connect(path, "os", 1000, autocheckpoint=False)
+    try:
+        conn.execute("CREATE TABLE t (b BLOB)")
+        for _ in range(4):
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute("INSERT INTO t VALUES (?)", (os.urandom(1 << 20),))
+            conn.execute("COMMIT")
+        assert os.path.getsize(f"{path}-wal") > 4 << 20
+        conn.execute("PRAGMA wal_checkpoint(PASSIVE)")  # as the writer does
+        conn.execute("INSERT INTO t VALUES (x'00')")  # the next write starts the log over
+        assert os.path.getsize(f"{path}-wal") <= 1 << 20
+    finally:
+        conn.close()
