@@ -136,6 +136,7 @@ ST_COMMITS = 0  # store transactions committed, by every writer of this host
 # is. Both start at zero, so a segment made before they were used holds a valid queue.
 ST_TICKETS = 8
 ST_SERVING = 16
+ST_WATCHERS = 24  # threads asleep on the commit word: a commit wakes them only if any
 
 # -- breaker --------------------------------------------------------------------------------
 BREAKER_BUCKETS = 32
