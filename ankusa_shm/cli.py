@@ -29,6 +29,11 @@ def parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check-config", help="validate a config file without starting")
     c.add_argument("file", nargs="?", help="TOML file (omit with --list)")
     c.add_argument("--list", action="store_true", help="list every setting with its default")
+    c.add_argument(
+        "--connect",
+        action="store_true",
+        help="with a fleet scope, also log in to Redis and run what a host runs there",
+    )
 
     i = sub.add_parser("inspect", help="show a live segment (read-only)")
     i.add_argument("--name", default=DEFAULT_NAME, help=f"segment name (default {DEFAULT_NAME})")
@@ -46,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         return _serve(args.config)
     if args.command == "check-config":
-        return _check_config(args.file, args.list)
+        return _check_config(args.file, args.list, args.connect)
     if args.command == "drainer":
         return _drainer(args.config)
     if args.command == "hooks":
@@ -56,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return inspect.run(args.name, args.json, args.watch)
 
 
-def _check_config(file: str | None, list_settings: bool) -> int:
+def _check_config(file: str | None, list_settings: bool, connect: bool = False) -> int:
     if list_settings:
         rows = config.describe()
         width = max(len(key) for key, _, _ in rows)
@@ -75,6 +80,53 @@ def _check_config(file: str | None, list_settings: bool) -> int:
     print(f"{file}: ok ({len(cfg.sources)} sources; fleet kinds: {kinds})")
     if not cfg.sources:  # valid, and surely not meant: a file says which sources exist
         print(f"{file}: warning: no [[sources]]: every hook will be answered 404", file=sys.stderr)
+    if connect and cfg.fleet_kinds:
+        return _check_redis(cfg)
+    return 0
+
+
+def _check_redis(cfg: config.Config) -> int:
+    """``check-config --connect``: 0 if Redis lets a host do its work, 1 if not (said)."""
+    import asyncio
+    import time
+
+    from ankusa_shm.credentials import MissingSecret, read_secret
+    from ankusa_shm.fleet.redis_client import REFUSED_HINT, RedisError, refused
+    from ankusa_shm.fleet.redis_store import RedisStore
+
+    where = cfg.fleet.redis_url.rpartition("@")[2]  # never a password in the output
+    try:
+        password = read_secret(cfg.fleet.password_env, cfg.fleet.password_file)
+    except MissingSecret as e:
+        print(f"ankusa-shm: {e}", file=sys.stderr)
+        return 1
+
+    async def probe() -> str:
+        store = RedisStore.from_config(cfg.fleet, password)
+        deadline = time.monotonic() + 5.0
+        try:
+            await store.probe(deadline)
+            memory = await store.memory(deadline)
+        finally:
+            await store.close()
+        if memory is None:
+            return "maxmemory-policy not known (INFO refused)"
+        if memory.evicts:
+            print(
+                f"{where}: warning: maxmemory-policy {memory.policy} evicts fleet keys, and "
+                "a resend whose key it evicted is stored again: set noeviction",
+                file=sys.stderr,
+            )
+        return f"maxmemory-policy {memory.policy}"
+
+    try:
+        policy = asyncio.run(probe())
+    except (TimeoutError, RedisError) as e:
+        why = str(e) or "no answer within 5 s"
+        hint = f"; {REFUSED_HINT}" if refused(e) else ""
+        print(f"ankusa-shm: {where}: {why}{hint}", file=sys.stderr)
+        return 1
+    print(f"{where}: ok (logged in, scripts loaded and run, a key written; {policy})")
     return 0
 
 

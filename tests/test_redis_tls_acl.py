@@ -7,7 +7,9 @@ works through them; a certificate the client cannot verify or a wrong password i
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,7 +31,7 @@ from fleet_helpers import (
     wait_until,
     write_config,
 )
-from redis_server import RedisServer, Tls
+from redis_server import RedisServer, Tls, free_port
 
 from ankusa_shm.config import Config
 from ankusa_shm.credentials import read_secret
@@ -283,3 +285,67 @@ def test_a_server_that_refuses_the_client_is_an_error_that_says_what_to_fix(
     assert [level for level, _ in said] == [logging.ERROR, logging.ERROR], said  # per kind
     code = "WRONGPASS" if case == "wrong password" else "NOPERM"
     assert all(code in m and "check fleet.password_env" in m for _, m in said), said
+
+
+def check_connect(
+    tmp_path: Path, url: str, password: str | None
+) -> subprocess.CompletedProcess[str]:
+    """``ankusa-shm check-config --connect`` on a config for ``url``, as an operator runs it."""
+    raw = fleet_raw(url, "unused")
+    if password is not None:
+        raw["fleet"]["password_env"] = ENV
+    path = write_config(tmp_path / "edge.toml", raw)
+    env = {**os.environ, ENV: password or ""}
+    return subprocess.run(
+        [sys.executable, "-m", "ankusa_shm", "check-config", "--connect", str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
+    )
+
+
+@pytest.mark.parametrize(
+    ("user", "password", "code"),
+    [
+        (USER, PASSWORD, ""),
+        (USER, "not-the-password", "WRONGPASS"),
+        ("edge-noeval", PASSWORD, "NOPERM"),
+    ],
+)
+def test_check_config_connect_runs_what_a_host_runs_on_redis(
+    acl_server: RedisServer, tmp_path: Path, user: str, password: str, code: str
+) -> None:
+    """A config can be valid and its Redis unusable (a wrong password, an ACL without a
+    command the scripts need): ``--connect`` logs in, runs a script and writes a key, and
+    says what failed, without the password."""
+    with admin(acl_server) as r:
+        r.execute_command(
+            "ACL", "SETUSER", "edge-noeval", "on", f">{PASSWORD}", "~ankusa:*", "+@all", "-evalsha"
+        )
+    done = check_connect(tmp_path, acl_url(acl_server, user), password)
+    assert password not in done.stdout + done.stderr
+    if not code:
+        assert done.returncode == 0, done.stderr
+        assert "ok (logged in, scripts loaded and run, a key written" in done.stdout
+        return
+    assert done.returncode == 1
+    assert code in done.stderr and "check fleet.password_env" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_check_config_connect_warns_of_an_evicting_redis(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    with redis_server.client() as r:
+        r.config_set("maxmemory", 512 << 20)
+        r.config_set("maxmemory-policy", "volatile-lru")
+    done = check_connect(tmp_path, redis_server.url, None)
+    assert done.returncode == 0, done.stderr
+    assert "maxmemory-policy volatile-lru evicts fleet keys" in done.stderr
+
+
+def test_check_config_connect_says_an_unreachable_redis(tmp_path: Path) -> None:
+    done = check_connect(tmp_path, f"redis://127.0.0.1:{free_port()}/0", None)
+    assert done.returncode == 1
+    assert "cannot connect" in done.stderr and "Traceback" not in done.stderr

@@ -219,6 +219,21 @@ class RedisStore:
         )
         return value if isinstance(value, bytes) else None
 
+    async def probe(self, deadline: float = _NEVER) -> None:
+        """What a host does to Redis, once, without touching a hook's key: connect and log
+        in, load both scripts, run one (``EVALSHA`` of settle.lua with no keys), and write
+        a key of the prefix (the epoch key, ``SET NX``: set if missing, as a drainer
+        would). Raises the first refusal met (``RedisError``; past ``deadline``,
+        TimeoutError)."""
+        key = f"{self._prefix}:epoch".encode()  # routes both, on a cluster
+        ran, wrote = await self.client.send(
+            [(key, ("EVALSHA", SETTLE.sha, 0)), (key, ("SET", key, os.urandom(8).hex(), "NX"))],
+            deadline,
+        )
+        for reply in (ran, wrote):
+            if isinstance(reply, ReplyError):
+                raise reply
+
     async def reset_tenant(self, tenant: str) -> None:
         key = self.rate_key(tenant)
         (reply,) = await self.client.send([(key, ("DEL", key))])
