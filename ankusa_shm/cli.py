@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from ankusa_shm import config, hooks_cli, inspect
 from ankusa_shm.shm.segment import DEFAULT_NAME, SegmentError
 
+CONNECT_TIMEOUT_S = 5.0  # check-config --connect: all it does with Redis, at most
+
 
 def _positive(text: str) -> float:
     value = float(text)
@@ -103,7 +105,7 @@ def _check_redis(cfg: config.Config) -> int:
 
     async def probe() -> str:
         store = RedisStore.from_config(cfg.fleet, password)
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
         try:
             await store.probe(deadline)
             memory = await store.memory(deadline)
@@ -122,7 +124,7 @@ def _check_redis(cfg: config.Config) -> int:
     try:
         policy = asyncio.run(probe())
     except (TimeoutError, RedisError) as e:
-        why = str(e) or "no answer within 5 s"
+        why = str(e) or f"no answer within {CONNECT_TIMEOUT_S:g} s"
         hint = f"; {REFUSED_HINT}" if refused(e) else ""
         print(f"ankusa-shm: {where}: {why}{hint}", file=sys.stderr)
         return 1

@@ -432,6 +432,12 @@ class Config:
         return tuple(k for k, scope in kinds if scope == "fleet")
 
     @property
+    def dedupe_window_s(self) -> int:
+        """The longest dedupe window of any source: how long a stored hook may still be
+        owed to the fleet's window (what a recovery looks back over)."""
+        return max((s.dedupe_ttl_s for s in self.sources), default=0)
+
+    @property
     def workers_drain_s(self) -> float:
         """On SIGTERM, how long the workers may finish in-flight requests: the graceful
         timeout less what is stopped after them within it -- the drainer's last deliveries

@@ -10,22 +10,19 @@ the Redis connection, listening sockets, pipes.
 
 from __future__ import annotations
 
+import contextlib
 import resource
 
 RESERVE = 64
 
 
-def raise_limit() -> int:
+def raise_limit() -> None:
     """Raise this process's soft open-file limit to its hard one (inherited by children
-    forked after); the soft limit now."""
+    forked after); where the kernel refuses (a hard limit above nr_open), leave it."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:
-        try:
+        with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        except (ValueError, OSError):  # a hard limit the kernel refuses (above nr_open)
-            return soft
-        soft = hard
-    return soft
 
 
 def connection_cap(configured: int) -> int:

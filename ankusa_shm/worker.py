@@ -72,9 +72,9 @@ class Worker:
         except StoreError as e:
             log.warning("recovery: cannot read the store: %s", e)
             return
-        queued = fleet.repromote(hooks, wall_ms())
         if not hooks:  # a first start, or a clean one with nothing stored lately
             return
+        queued = fleet.repromote(hooks, wall_ms())
         log.info(
             "recovery: %d promotes queued for hooks stored since %s%s, whose settle a crash "
             "or a lost segment may have lost",

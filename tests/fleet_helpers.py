@@ -15,6 +15,7 @@ subprocess drainers, Redis helpers) lives here too so the test files stay short.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import multiprocessing
@@ -249,6 +250,25 @@ async def drain_all(
         slot.release()
         if own:
             await store.close()
+
+
+@asynccontextmanager
+async def drainer_running(cfg: Config, seg: Segment) -> AsyncIterator[None]:
+    """A Drainer on ``seg`` in a task of this loop while the block runs, then stopped:
+    cancelled, so that a Redis still down does not hold it for ``drain_on_stop_ms``."""
+    slot = procs.claim(seg.view, seg.layout, Role.DRAINER)
+    store = RedisStore.from_config(cfg.fleet)
+    stop = asyncio.Event()
+    task = asyncio.create_task(Drainer(cfg, seg, slot, store).run(stop))
+    try:
+        yield
+    finally:
+        stop.set()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await store.close()
+        slot.release()
 
 
 def dd_key(key: str, tenant: str = TENANT) -> bytes:

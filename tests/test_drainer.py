@@ -4,7 +4,6 @@ away, drops what has certainly expired, drains on SIGTERM; and the metrics it fe
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -25,6 +24,7 @@ from fleet_helpers import (
     dd_key,
     drain_all,
     drainer_process,
+    drainer_running,
     fleet_config,
     fleet_raw,
     open_fleet,
@@ -179,12 +179,8 @@ def test_drainer_keeps_its_batch_while_redis_is_down(redis_server: RedisServer) 
                 claims = [claim_of(await admit(fleet, cfg, f"k{i}")) for i in range(5)]
                 for i, c in enumerate(claims):
                     fleet.settle(c, Committed(f"hook-{i}"))
-            slot = procs.claim(seg.view, seg.layout, Role.DRAINER)
-            store = RedisStore.from_config(cfg.fleet)
-            stop = asyncio.Event()
             redis_server.kill()
-            task = asyncio.create_task(Drainer(cfg, seg, slot, store).run(stop))
-            try:
+            async with drainer_running(cfg, seg):
                 await await_until(
                     lambda: totals(seg)[Counter.DRAIN_ERRORS] >= 4, "failed deliveries"
                 )
@@ -201,11 +197,6 @@ def test_drainer_keeps_its_batch_while_redis_is_down(redis_server: RedisServer) 
                     for c in claims:
                         r.set(c.key, pending_value(c.token), px=60_000)
                 await await_until(lambda: seg.queue_depth() == 0, "delivery after the restart")
-            finally:
-                stop.set()
-                await task
-                await store.close()
-                slot.release()
 
         run(body())
         counted = totals(seg)
@@ -231,19 +222,8 @@ def test_a_failing_delivery_says_what_a_full_queue_dropped(
                 for i in range(16 + 3):
                     fleet.promote(claim, f"hook-{i}")
             assert seg.queue_depth() == 16
-            slot = procs.claim(seg.view, seg.layout, Role.DRAINER)
-            store = RedisStore.from_config(cfg.fleet)
-            stop = asyncio.Event()
-            task = asyncio.create_task(Drainer(cfg, seg, slot, store).run(stop))
-            try:
+            async with drainer_running(cfg, seg):
                 await await_until(lambda: totals(seg)[Counter.DRAIN_ERRORS] >= 1, "a failure")
-            finally:
-                stop.set()
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                await store.close()
-                slot.release()
 
         with caplog.at_level(logging.WARNING, logger="ankusa_shm.drainer"):
             run(body())
@@ -643,22 +623,13 @@ def test_deliveries_that_work_again_say_what_a_full_queue_dropped_meanwhile(
                 claim = claim_of(await admit(fleet, cfg, "k"))
                 redis_server.kill()
                 fleet.promote(claim, "hook-0")
-                slot = procs.claim(seg.view, seg.layout, Role.DRAINER)
-                store = RedisStore.from_config(cfg.fleet)
-                stop = asyncio.Event()
-                task = asyncio.create_task(Drainer(cfg, seg, slot, store).run(stop))
-                try:
+                async with drainer_running(cfg, seg):
                     await await_until(lambda: totals(seg)[Counter.DRAIN_ERRORS] >= 1, "a failure")
                     for i in range(1, 16 + 5):  # the queue fills behind the failures
                         fleet.promote(claim, f"hook-{i}")
                     assert totals(seg)[Counter.SETTLE_DROPPED] == 5
                     redis_server.start()
                     await await_until(lambda: seg.queue_depth() == 0, "delivery again")
-                finally:
-                    stop.set()
-                    await task
-                    await store.close()
-                    slot.release()
 
         with caplog.at_level(logging.INFO, logger="ankusa_shm.drainer"):
             run(body())

@@ -30,7 +30,7 @@ from ankusa_shm.config import Config, Source
 from ankusa_shm.fleet import redis_store
 from ankusa_shm.fleet.redis_client import REFUSED_HINT, RedisError, refused
 from ankusa_shm.fleet.redis_store import RedisStore
-from ankusa_shm.fleet.settle import NO_TOKEN, Claim, Settler
+from ankusa_shm.fleet.settle import NO_TOKEN, Claim, Settler, Stored, stored_claims
 from ankusa_shm.hooks import CommitResult, Envelope
 from ankusa_shm.limits import Limit
 from ankusa_shm.shm.breaker import Breaker, Permit, Policy
@@ -163,23 +163,17 @@ class Fleet:
     def promote(self, claim: Claim | None, hook_id: str) -> None:
         self._settler.promote(claim, hook_id)
 
-    def repromote(self, hooks: list[tuple[str, str, bytes, str, int]], wall_ms: int) -> int:
-        """Queue a promote for each (tenant, source, event key, hook id, expires_ms) this
-        host stored: the recovery after a worker died between a commit and its settle,
-        which would leave the claim pending and let a retry on another host store the
-        event again. A promote needs no token and never overwrites another host's
-        committed hook, so promoting what is already settled changes nothing. How many
-        were queued."""
+    def repromote(self, hooks: list[Stored], wall_ms: int) -> int:
+        """Queue a promote for each hook this host stored that is still in its window
+        (``stored_claims``): the recovery after a worker died between a commit and its
+        settle, which would leave the claim pending and let a retry on another host store
+        the event again. How many were queued."""
         if not self._dedupe_fleet or self._store is None:
             return 0
-        n = 0
-        for tenant, source, key, hook_id, expires_ms in hooks:
-            left = expires_ms - wall_ms
-            if left > 0:
-                claim = Claim(self._store.dedupe_key(tenant, source, key), NO_TOKEN, left)
-                self._settler.promote(claim, hook_id)
-                n += 1
-        return n
+        claims = stored_claims(hooks, wall_ms, self._store.dedupe_key)
+        for claim, hook_id in claims:
+            self._settler.promote(claim, hook_id)
+        return len(claims)
 
     def release(self, claim: Claim | None) -> None:
         self._settler.release(claim)

@@ -223,15 +223,16 @@ class Drainer:
                     self._failing = (now_ms, self._dropped())
                 if self._warned_ms is None or now_ms - self._warned_ms >= WARN_EVERY_MS:
                     self._warned_ms = now_ms
+                    config_error = refused(e)  # said as an error, with what to fix
                     log.log(
-                        logging.ERROR if refused(e) else logging.WARNING,
+                        logging.ERROR if config_error else logging.WARNING,
                         "settle delivery failed (%s); keeping %d operations, %d queued, %d"
                         " dropped so far for a full queue%s",
                         str(e) or type(e).__name__,
                         len(batch.records),
                         self._queue.depth(),
                         self._dropped(),
-                        f"; {REFUSED_HINT}" if refused(e) else "",
+                        f"; {REFUSED_HINT}" if config_error else "",
                     )
                 return None
             if self._failing is not None:

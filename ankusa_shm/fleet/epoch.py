@@ -25,7 +25,7 @@ import time
 from ankusa_shm.config import Config
 from ankusa_shm.fleet.redis_client import RedisError
 from ankusa_shm.fleet.redis_store import RedisStore
-from ankusa_shm.fleet.settle import UNKNOWN
+from ankusa_shm.fleet.settle import stored_claims
 from ankusa_shm.shm.blob import Blob
 from ankusa_shm.shm.counters import Counter, CounterRow
 from ankusa_shm.shm.settle_queue import Op, Record
@@ -48,7 +48,7 @@ class Epoch:
         self._timeout_s = timeout_s
         self._path = cfg.store.path
         self._most = cfg.fleet.settle_queue_size
-        self._window_ms = max((s.dedupe_ttl_s for s in cfg.sources), default=0) * 1000
+        self._window_ms = cfg.dedupe_window_s * 1000
 
     async def check(self, evicting: bool = False) -> None:
         """Read the epoch; if it changed, promote this host's window again. A server that
@@ -93,17 +93,8 @@ class Epoch:
             return False
         now_ms = time.monotonic_ns() // 1_000_000
         records = [
-            Record(
-                Op.PROMOTE,
-                self._store.dedupe_key(tenant, source, key),
-                b"",
-                hook_id.encode(),
-                expires_ms - wall_ms,
-                UNKNOWN,
-                now_ms,
-            )
-            for tenant, source, key, hook_id, expires_ms in hooks
-            if expires_ms > wall_ms
+            Record(Op.PROMOTE, c.key, c.token, hook_id.encode(), c.ttl_ms, c.claimed_ms, now_ms)
+            for c, hook_id in stored_claims(hooks, wall_ms, self._store.dedupe_key)
         ]
         for i in range(0, len(records), PROMOTES_PER_CALL):
             part = records[i : i + PROMOTES_PER_CALL]

@@ -71,6 +71,7 @@ class RedisStore:
     def __init__(self, client: Client | ClusterClient, prefix: str, cluster: bool) -> None:
         self.client = client
         self._prefix = prefix
+        self._epoch_key = f"{prefix}:epoch".encode()
         self._cluster = cluster
         # (tenant, limit, pending_ttl_ms) -> this turn's hooks for it
         self._asks: dict[tuple[str, Limit | None, int], list[_Ask]] = {}
@@ -212,11 +213,8 @@ class RedisStore:
         ``GET``, in one round trip): a different value than last time means the server's
         data was lost since (``epoch``). None if the server refused (no room, read-only).
         Past ``deadline``, TimeoutError."""
-        key = f"{self._prefix}:epoch".encode()
-        fresh = os.urandom(8).hex()
-        _, value = await self.client.send(
-            [(key, ("SET", key, fresh, "NX")), (key, ("GET", key))], deadline
-        )
+        key = self._epoch_key
+        _, value = await self.client.send([self._new_epoch(), (key, ("GET", key))], deadline)
         return value if isinstance(value, bytes) else None
 
     async def probe(self, deadline: float = _NEVER) -> None:
@@ -225,14 +223,15 @@ class RedisStore:
         a key of the prefix (the epoch key, ``SET NX``: set if missing, as a drainer
         would). Raises the first refusal met (``RedisError``; past ``deadline``,
         TimeoutError)."""
-        key = f"{self._prefix}:epoch".encode()  # routes both, on a cluster
-        ran, wrote = await self.client.send(
-            [(key, ("EVALSHA", SETTLE.sha, 0)), (key, ("SET", key, os.urandom(8).hex(), "NX"))],
-            deadline,
-        )
-        for reply in (ran, wrote):
+        ran = (self._epoch_key, ("EVALSHA", SETTLE.sha, 0))  # the key routes it, on a cluster
+        for reply in await self.client.send([ran, self._new_epoch()], deadline):
             if isinstance(reply, ReplyError):
                 raise reply
+
+    def _new_epoch(self) -> tuple[bytes, tuple[Arg, ...]]:
+        """The epoch key set to a new random value if it is missing (``SET NX``)."""
+        key = self._epoch_key
+        return key, ("SET", key, os.urandom(8).hex(), "NX")
 
     async def reset_tenant(self, tenant: str) -> None:
         key = self.rate_key(tenant)

@@ -12,6 +12,7 @@ TTL (senders get 409 and retry). Neither loses a hook.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ankusa_shm.clock import Clock
@@ -45,6 +46,24 @@ class Claim:
     token: bytes
     ttl_ms: int  # the source's dedupe window: how long a promoted key lives
     claimed_ms: int = UNKNOWN
+
+
+Stored = tuple[str, str, bytes, str, int]
+"""A hook this host stored, as the store lists it for a recovery (``claimed_since``):
+tenant, source, event key, hook id, and when its dedupe index row expires (wall ms)."""
+
+
+def stored_claims(
+    hooks: Sequence[Stored], wall_ms: int, key_of: Callable[[str, str, bytes], bytes]
+) -> list[tuple[Claim, str]]:
+    """The claim to promote each hook under, with its id, for those still in their dedupe
+    window: what a recovery sends again. A promote needs no token and never overwrites
+    another host's committed hook, so promoting what is already settled changes nothing."""
+    return [
+        (Claim(key_of(tenant, source, key), NO_TOKEN, expires_ms - wall_ms), hook_id)
+        for tenant, source, key, hook_id, expires_ms in hooks
+        if expires_ms > wall_ms
+    ]
 
 
 class Settler:

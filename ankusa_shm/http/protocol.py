@@ -179,8 +179,7 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = typing.cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         if not self._server.make_room():
-            self._closing = True
-            self._transport.close()
+            self.shed()
             return
         self._server.connections.add(self)
         self._expect_idle()
@@ -424,7 +423,8 @@ class Connection(asyncio.Protocol):
         self._server.idle[self] = None  # the last to become idle, the last to be shed
 
     def shed(self) -> None:
-        """Closed to make room for a new connection: it was idle, so nothing is lost."""
+        """Closed at the cap, without a word: the longest-idle one, to make room for a new
+        one, or a new one with none idle. Neither is in a request, so nothing is lost."""
         if self._transport is not None:
             self._closing = True
             self._transport.close()

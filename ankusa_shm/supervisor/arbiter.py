@@ -685,8 +685,7 @@ def _recovery_start(cfg: Config, crashed_ms: int | None = None) -> int:
 
 def _window_start(cfg: Config) -> int:
     """Wall ms from which a stored hook may still be in its dedupe window."""
-    longest_s = max((s.dedupe_ttl_s for s in cfg.sources), default=0)
-    return time.time_ns() // 1_000_000 - longest_s * 1000
+    return time.time_ns() // 1_000_000 - cfg.dedupe_window_s * 1000
 
 
 def _last_heard_ms(seg: Segment) -> int | None:
