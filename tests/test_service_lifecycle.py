@@ -380,6 +380,44 @@ def test_the_epoch_a_drainer_read_is_kept_for_the_next_one(
     assert svc.stop() == 0
 
 
+@pytest.mark.parametrize("stalled", ["redis", "drainer", "drainer-killed"])
+def test_promotes_a_full_settle_queue_dropped_are_made_good(
+    make: list[Service], tmp_path: Path, redis_server: RedisServer, stalled: str
+) -> None:
+    """Redis stalled (the breaker opens, hooks are answered node-local) or the drainer
+    stopped, for longer than a settle queue of 16 holds: the promotes pushed onto the full
+    ring were dropped and counted, and their keys stayed pending or absent -- once a
+    pending claim expired, a resend to another host was stored again. Once deliveries
+    work, the drainer promotes again every hook stored since the drops began; a drainer
+    killed first leaves the next one when that was, in the segment."""
+    quick_breaker = "breaker_min_calls = 4\nbreaker_open_ms = 1000\n"
+    svc = service(
+        make, tmp_path, fleet_config(redis_server, "settle_queue_size = 16\n" + quick_breaker)
+    ).start()
+    (drainer,) = svc.pids("drainer")
+    time.sleep(1.5)  # it has looked once: no drops, as of then
+    held = redis_server.pid if stalled == "redis" else drainer
+    os.kill(held, signal.SIGSTOP)
+    try:
+        with Load(svc.port, threads=2) as load:
+            time.sleep(2.0)
+    finally:
+        os.kill(held, signal.SIGKILL if stalled == "drainer-killed" else signal.SIGCONT)
+    accepted = dict(load.tally.accepted)
+    dropped = counter(svc, Counter.SETTLE_DROPPED)
+    assert len(accepted) > 40 and dropped > 0, (len(accepted), dropped)
+    r = redis_server.client()
+
+    def all_committed() -> bool:
+        keys = [f"ankusa:{{acme}}:dd:github:{d}" for d in accepted]
+        return r.mget(keys) == [f"c:{h}".encode() for h in accepted.values()]
+
+    wait_until(all_committed, what="every stored hook promoted")
+    assert counter(svc, Counter.SETTLE_DROPS_RECOVERED) == counter(svc, Counter.SETTLE_DROPPED)
+    assert "the settle queue had dropped" in svc.log()
+    assert svc.stop() == 0
+
+
 def test_a_supervisor_restarted_long_after_its_crash_still_recovers(
     make: list[Service], tmp_path: Path, redis_server: RedisServer
 ) -> None:

@@ -517,10 +517,16 @@ def test_claimed_since_finds_the_recent_keyed_hooks_across_pages(tmp_path: Path)
     try:
         found = r.claimed_since(5_000)
         newest = r.claimed_since(5_000, limit=1_500)  # across a page boundary too
+        paged: list[str] = []
+        below: int | None = readers.NEWEST
+        while below is not None:  # as a repromote reads them: page by page, to the moment
+            page, below = r.claimed_page(5_000, below, 700)
+            paged += [h for _, _, _, h, _ in page]
     finally:
         r.close()
     assert [h for _, _, _, h, _ in found] == [h.id for h in reversed(recent)]
     assert [h for _, _, _, h, _ in newest] == [h.id for h in reversed(recent)][:1_500]
+    assert paged == [h.id for h in reversed(recent)]
     tenant, source, key, _, expires = found[-1]
     assert (tenant, source, key) == (recent[0].tenant, recent[0].source, b"new-0")
     assert expires > 0

@@ -23,7 +23,9 @@ It also asks Redis, at start and once a minute, whether it may evict keys (a
 a hook the fleet forgets inside its dedupe window, so a resend to another host is stored
 again, and nothing else would say so: the evictions answer every call without an error.
 Every second it reads the fleet's epoch key, and promotes this host's hooks again when
-Redis has lost its data (``epoch``).
+Redis has lost its data (``epoch``); and it looks at the queue's drop count, and once a
+full queue has dropped operations and deliveries work again, promotes again the hooks
+stored since (``repromote``).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from ankusa_shm.child import QUEUE_TAKEN, BootError
 from ankusa_shm.clock import Clock, monotonic_ns
 from ankusa_shm.config import Config
 from ankusa_shm.credentials import MissingSecret, read_secret
-from ankusa_shm.fleet import epoch
+from ankusa_shm.fleet import epoch, repromote
 from ankusa_shm.fleet.redis_client import REFUSED_HINT, RedisError, refused
 from ankusa_shm.fleet.redis_store import Memory, RedisStore
 from ankusa_shm.fleet.settle import UNKNOWN
@@ -92,6 +94,7 @@ class Drainer:
         self._memory_at = 0.0
         self._policy_warned_at: float | None = None
         self._epoch = epoch.Epoch(cfg, store, seg.blob("epoch"), self._row, self._timeout_s)
+        self._drops = repromote.Drops(cfg, store, seg, self._row, self._timeout_s)
 
     def _now_ms(self) -> int:
         return self._clock() // 1_000_000
@@ -146,14 +149,16 @@ class Drainer:
             self._queue.resign_consumer()
 
     async def _watch(self, stop: asyncio.Event) -> None:
-        """The server's state, beside the deliveries: its epoch every ``epoch.CHECK_S``,
-        its memory every ``MEMORY_CHECK_S``."""
+        """Beside the deliveries: the server's epoch and the queue's drops every
+        ``epoch.CHECK_S``, the server's memory every ``MEMORY_CHECK_S``."""
         memory_at = -MEMORY_CHECK_S
         while not stop.is_set():
             if time.monotonic() - memory_at >= MEMORY_CHECK_S:
                 memory_at = time.monotonic()
                 await self.check_memory()
             await self._epoch.check(self._memory is not None and self._memory.evicts)
+            roomy = self._queue.depth() <= self._queue.capacity // 2
+            await self._drops.check(self._failing is None and roomy)
             await self._pause(epoch.CHECK_S, stop)
 
     async def check_memory(self) -> None:

@@ -18,24 +18,19 @@ that loses its data alone is not seen.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
 from ankusa_shm.config import Config
+from ankusa_shm.fleet import repromote
 from ankusa_shm.fleet.redis_client import RedisError
 from ankusa_shm.fleet.redis_store import RedisStore
-from ankusa_shm.fleet.settle import stored_claims
 from ankusa_shm.shm.blob import Blob
-from ankusa_shm.shm.counters import Counter, CounterRow
-from ankusa_shm.shm.settle_queue import Op, Record
-from ankusa_shm.store import readers
-from ankusa_shm.store.schema import StoreError
+from ankusa_shm.shm.counters import CounterRow
 
 log = logging.getLogger("ankusa_shm.drainer")
 
 CHECK_S = 1.0
-PROMOTES_PER_CALL = 1_000
 
 
 class Epoch:
@@ -83,26 +78,10 @@ class Epoch:
         self._blob.write(current)
 
     async def _promote_window(self) -> bool:
-        wall_ms = time.time_ns() // 1_000_000
-        try:
-            hooks = await asyncio.to_thread(
-                readers.claimed_since, self._path, wall_ms - self._window_ms, self._most
-            )
-        except StoreError as e:
-            log.warning("cannot read the store to promote its hooks again: %s", e)
-            return False
-        now_ms = time.monotonic_ns() // 1_000_000
-        records = [
-            Record(Op.PROMOTE, c.key, c.token, hook_id.encode(), c.ttl_ms, c.claimed_ms, now_ms)
-            for c, hook_id in stored_claims(hooks, wall_ms, self._store.dedupe_key)
-        ]
-        for i in range(0, len(records), PROMOTES_PER_CALL):
-            part = records[i : i + PROMOTES_PER_CALL]
-            try:
-                await self._store.settle(part, now_ms, time.monotonic() + self._timeout_s)
-            except (TimeoutError, RedisError) as e:
-                log.warning("promoting again stopped at %d of %d: %s", i, len(records), e)
-                return False
-            self._row.add(Counter.REPROMOTED, len(part))
-        log.info("promoted again %d hooks stored on this host", len(records))
-        return True
+        since_ms = time.time_ns() // 1_000_000 - self._window_ms
+        sent = await repromote.promote_stored(
+            self._store, self._path, since_ms, self._row, self._timeout_s, self._most
+        )
+        if sent is not None:
+            log.info("promoted again %d hooks stored on this host", sent)
+        return sent is not None

@@ -4,9 +4,10 @@ becomes one record on the settle queue.
 A claim is *pending* in Redis until the hook it guards is durable. Settling it never waits
 on Redis: ``Settler`` pushes a promote (the hook is stored, under this id) or a release
 (nothing was stored) onto the ring in the segment and returns; the drainer delivers it.
-A full ring is a counted drop, never a wait: a dropped promote leaves a pending key that
-expires (a possible duplicate later), a dropped release leaves the key pending until its
-TTL (senders get 409 and retry). Neither loses a hook.
+A full ring is a counted drop, never a wait: a dropped promote is made good later by the
+drainer, which promotes again from the store the hooks stored since the drops began
+(``repromote``); a dropped release leaves the key pending until its TTL (senders get 409
+and retry). Neither loses a hook.
 """
 
 from __future__ import annotations

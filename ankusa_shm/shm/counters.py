@@ -86,7 +86,14 @@ class Counter(enum.Enum):
     REPROMOTED = (
         "fleet_repromoted",
         (),
-        "Hooks promoted again from the store after the fleet store lost its data.",
+        "Hooks promoted again from the store: after the fleet store lost its data, or the "
+        "settle queue dropped operations.",
+    )
+    SETTLE_DROPS_RECOVERED = (
+        "fleet_settle_drops_recovered",
+        (),
+        "Settle operations dropped for a full queue that were made good: the hooks stored "
+        "since the drops began were promoted again from the store.",
     )
     DRAIN_ROUND_TRIPS = ("fleet_drain_round_trips", (), "Drainer round trips to the store.")
     DRAIN_ERRORS = ("fleet_drain_errors", (), "Drainer round trips that failed.")

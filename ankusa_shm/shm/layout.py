@@ -24,8 +24,8 @@ line prefetcher never makes two regions or two writers share a line):
     store        the commit word: bumped after every store commit, for long-polls; the
                  store writers' ticket queue (``turns``)
     queue        settle queue: enqueue and dequeue positions on lines of their own,
-                 the consumer's pid and identity, then fixed-size slots (sequence word +
-                 record)
+                 the consumer's pid and identity and how far its drops are made good,
+                 then fixed-size slots (sequence word + record)
     gcra         node-scope rate limits: per tenant a key word and a tagged TAT word
 
 A blob is a seqlocked byte string: a generation word (odd while its one writer rewrites
@@ -190,6 +190,9 @@ Q_CONSUMER = LINE + 8  # pid of the one consumer, for readers
 # The consumer's identity, start ticks << PID_BITS | pid: the word the role is taken by
 # (compare-and-swap), so the pid and the start time it is judged by are one word.
 Q_CONSUMER_ID = LINE + 16
+# Wall ms before which every operation the ring dropped for want of room has been made
+# good (``repromote.Drops``); 0: not known. The consumer's alone, kept for the next one.
+Q_MENDED_MS = LINE + 24
 Q_SLOTS = 2 * LINE
 QS_SEQ = 0
 QS_RECORD = 8

@@ -149,6 +149,7 @@ class SettleQueue:
         self._deq = base + L.Q_DEQUEUE
         self._consumer = base + L.Q_CONSUMER
         self._consumer_id = base + L.Q_CONSUMER_ID
+        self._mended = base + L.Q_MENDED_MS
         self._slots = base + L.Q_SLOTS
         self.capacity = lay.params.queue_capacity
         self._grace_ms = grace_ms
@@ -289,6 +290,14 @@ class SettleQueue:
         """Cut the consumer's ``wait_for_records`` short (a producer's push does it)."""
         self._view.add(self._wake, 1)
         self._view.wake(self._wake)
+
+    def mended_ms(self) -> int:
+        """Wall ms before which every drop has been made good; 0 if not known."""
+        return self._view.load(self._mended)
+
+    def set_mended_ms(self, wall_ms: int) -> None:
+        """The consumer's: every drop counted so far has been made good, as of ``wall_ms``."""
+        self._view.store(self._mended, wall_ms)
 
     def consumer_pid(self) -> int:
         return self._view.load(self._consumer)

@@ -60,6 +60,7 @@ class StoredHook:
 
 
 _RECENT_PAGE = 1_000
+NEWEST = 1 << 62  # a seq above every hook's: ``claimed_page`` from the latest
 _CLAIMED = (
     "SELECT h.seq, h.received_ms, h.tenant, h.source, h.event_key, h.id, d.expires_ms"
     " FROM hooks AS h JOIN dedupe AS d ON d.source = h.source AND d.event_key = h.event_key"
@@ -145,16 +146,26 @@ class Reader:
         of them: what a crashed worker may have committed without settling. Read from the
         newest back, a page at a time, so it costs what is that recent, not the table."""
         out: list[tuple[str, str, bytes, str, int]] = []
-        below = 1 << 62
-        while True:
-            rows = self._rows(_CLAIMED, [below, _RECENT_PAGE])
-            for seq, received, tenant, source, key, hook_id, expires in rows:
-                if received < received_ms or len(out) >= limit:
-                    return out
-                out.append((tenant, source, bytes(key), hook_id, expires))
-                below = seq
-            if len(rows) < _RECENT_PAGE:
-                return out
+        below: int | None = NEWEST
+        while below is not None and len(out) < limit:
+            page, below = self.claimed_page(received_ms, below, min(_RECENT_PAGE, limit - len(out)))
+            out += page
+        return out
+
+    def claimed_page(
+        self, received_ms: int, below: int, limit: int
+    ) -> tuple[list[tuple[str, str, bytes, str, int]], int | None]:
+        """Up to ``limit`` of ``claimed_since``'s hooks, the newest committed before seq
+        ``below`` first; and the ``below`` to read on from, None once there are no more.
+        ``NEWEST`` starts from the latest."""
+        rows = self._rows(_CLAIMED, [below, limit])
+        out: list[tuple[str, str, bytes, str, int]] = []
+        for seq, received, tenant, source, key, hook_id, expires in rows:
+            if received < received_ms:
+                return out, None
+            out.append((tenant, source, bytes(key), hook_id, expires))
+            below = seq
+        return out, (below if rows and len(rows) == limit else None)
 
     def _after(self, columns: str, after_seq: int, limit: int, source: str | None) -> list[Any]:
         params: list[Any]
@@ -269,6 +280,13 @@ def claimed_since(
 ) -> list[tuple[str, str, bytes, str, int]]:
     """``Reader.claimed_since`` on a reader of its own."""
     return _once(path, lambda r: r.claimed_since(received_ms, limit))
+
+
+def claimed_page(
+    path: str | Path, received_ms: int, below: int, limit: int
+) -> tuple[list[tuple[str, str, bytes, str, int]], int | None]:
+    """``Reader.claimed_page`` on a reader of its own."""
+    return _once(path, lambda r: r.claimed_page(received_ms, below, limit))
 
 
 def count(path: str | Path) -> int:

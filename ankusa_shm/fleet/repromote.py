@@ -1,0 +1,144 @@
+"""Promote again, straight to Redis, hooks this host stored that the fleet lost track of.
+
+Two things make the fleet forget hooks this host's store still lists: Redis losing its
+data (``epoch``), and a settle queue that was full. A promote pushed onto a full ring is
+dropped and counted (``fleet_settle_dropped``): its key stays a pending claim, or is
+absent if the hook was admitted while the breaker was open, and once the claim expires a
+resend of the event to another host is stored again. The ring fills whenever Redis fails
+for longer than ``fleet.settle_queue_size`` hooks take to arrive -- under a minute at a
+thousand a second -- so an outage of any length would otherwise leave such hooks behind.
+
+Both are mended from the store: its dedupe index lists every keyed hook with the id it
+was stored under, newest first, and a promote is idempotent and never goes over another
+host's committed hook, so promoting a hook that is already settled changes nothing.
+``Drops`` watches the drop count and, once deliveries work again and the queue has room,
+promotes every hook stored since the drops began.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from ankusa_shm.config import Config
+from ankusa_shm.fleet.redis_client import RedisError
+from ankusa_shm.fleet.redis_store import RedisStore
+from ankusa_shm.fleet.settle import stored_claims
+from ankusa_shm.shm.counters import Counter, CounterRow, totals
+from ankusa_shm.shm.segment import Segment
+from ankusa_shm.shm.settle_queue import Op, Record, SettleQueue
+from ankusa_shm.store import readers
+from ankusa_shm.store.schema import StoreError
+
+log = logging.getLogger("ankusa_shm.drainer")
+
+PROMOTES_PER_CALL = 1_000
+PAGE = 10_000  # hooks read from the store at a time
+# Between a hook's receipt (its ``received_ms``) and its promote's push: the fleet call's
+# budget, the wait for the store's lock, and room to spare.
+SLACK_MS = 5_000
+
+
+async def promote_stored(
+    store: RedisStore,
+    path: str | Path,
+    since_wall_ms: int,
+    row: CounterRow,
+    timeout_s: float,
+    most: int | None = None,
+) -> int | None:
+    """Promote every keyed hook received since ``since_wall_ms`` and still in its dedupe
+    window, newest first (only the newest ``most``, if given), ``PROMOTES_PER_CALL`` a
+    call, counted in ``fleet_repromoted``. How many were sent; None if the store could
+    not be read or a call failed (said in the log), to be tried again later."""
+    sent = 0
+    below: int | None = readers.NEWEST
+    while below is not None and (most is None or sent < most):
+        limit = PAGE if most is None else min(PAGE, most - sent)
+        try:
+            hooks, below = await asyncio.to_thread(
+                readers.claimed_page, path, since_wall_ms, below, limit
+            )
+        except StoreError as e:
+            log.warning("cannot read the store to promote its hooks again: %s", e)
+            return None
+        wall_ms = time.time_ns() // 1_000_000
+        now_ms = time.monotonic_ns() // 1_000_000
+        records = [
+            Record(Op.PROMOTE, c.key, c.token, hook_id.encode(), c.ttl_ms, c.claimed_ms, now_ms)
+            for c, hook_id in stored_claims(hooks, wall_ms, store.dedupe_key)
+        ]
+        for i in range(0, len(records), PROMOTES_PER_CALL):
+            part = records[i : i + PROMOTES_PER_CALL]
+            try:
+                await store.settle(part, now_ms, time.monotonic() + timeout_s)
+            except (TimeoutError, RedisError) as e:
+                log.warning("promoting this host's hooks again stopped after %d: %s", sent, e)
+                return None
+            row.add(Counter.REPROMOTED, len(part))
+            sent += len(part)
+    return sent
+
+
+class Drops:
+    """Notices settle operations dropped for a full queue, and promotes again the hooks
+    stored since the drops began. Which operations were dropped is not known, only how
+    many and roughly when, so every hook stored since is promoted: a superset, harmless.
+
+    What is made good is kept in the segment, for the next drainer: the drops as a count
+    (``fleet_settle_drops_recovered``), and the moment before which every drop is made
+    good in the queue (``SettleQueue.mended_ms``), moved on at every look that finds none
+    left. Only where that moment is not known (a segment whose queue dropped before any
+    drainer looked) are the newest ``fleet.settle_queue_size`` hooks of the whole dedupe
+    window promoted instead."""
+
+    def __init__(
+        self, cfg: Config, store: RedisStore, seg: Segment, row: CounterRow, timeout_s: float
+    ) -> None:
+        self._store = store
+        self._seg = seg
+        self._queue = SettleQueue(seg.view, seg.buf, seg.layout)
+        self._row = row
+        self._timeout_s = timeout_s
+        self._path = cfg.store.path
+        self._most = cfg.fleet.settle_queue_size
+        self._window_ms = cfg.dedupe_window_s * 1000
+        self._slack_ms = cfg.fleet.timeout_ms + cfg.store.lock_timeout_ms + SLACK_MS
+
+    def unmended(self) -> int:
+        t = totals(self._seg.view, self._seg.layout)
+        return t[Counter.SETTLE_DROPPED] - t[Counter.SETTLE_DROPS_RECOVERED]
+
+    async def check(self, delivering: bool) -> None:
+        """Called every second by the drainer, the queue's consumer. ``delivering``: its
+        deliveries work and the queue has room again, so promoting now is neither refused
+        nor dropped behind. The moment is read before the counts: a drop the counts miss
+        came after it."""
+        wall_ms = time.time_ns() // 1_000_000
+        unmended = self.unmended()
+        if unmended <= 0:
+            self._queue.set_mended_ms(wall_ms)
+            return
+        if not delivering:
+            return
+        mended_ms = self._queue.mended_ms()
+        if mended_ms:
+            since_ms, most = mended_ms - self._slack_ms, None
+        else:
+            since_ms, most = wall_ms - self._window_ms, self._most
+        sent = await promote_stored(
+            self._store, self._path, since_ms, self._row, self._timeout_s, most
+        )
+        if sent is None:
+            return
+        self._row.add(Counter.SETTLE_DROPS_RECOVERED, unmended)
+        self._queue.set_mended_ms(wall_ms)
+        log.warning(
+            "the settle queue had dropped %d operations for want of room; promoted again"
+            " the %d hooks this host stored in the %.0f s since",
+            unmended,
+            sent,
+            (wall_ms - since_ms) / 1000,
+        )
