@@ -72,12 +72,12 @@ class Worker:
         except StoreError as e:
             log.warning("recovery: cannot read the store: %s", e)
             return
-        if not hooks:  # a first start, or a clean one with nothing stored lately
+        if not hooks:  # nothing stored lately
             return
         queued = fleet.repromote(hooks, wall_ms())
         log.info(
             "recovery: %d promotes queued for hooks stored since %s%s, whose settle a crash "
-            "or a lost segment may have lost",
+            "may have lost",
             queued,
             time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(since_ms / 1000)),
             f" (only the newest {most})" if len(hooks) >= most else "",

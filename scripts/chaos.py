@@ -267,13 +267,16 @@ def inject(f: Fault, hosts: list[Host], redis: RedisServer, load: Load, rng: ran
             pin.execute("BEGIN")
             pin.execute("SELECT count(*) FROM consumers").fetchone()
             filler = host.tmpfs / "filler"
-            with filler.open("wb") as out, contextlib.suppress(OSError):
-                while True:
-                    out.write(bytes(1 << 20))
-                    out.flush()
-            time.sleep(STALL_S)
-            filler.unlink()
-            pin.close()
+            try:
+                # The open inside the suppress: a disk already full refuses the file itself.
+                with contextlib.suppress(OSError), filler.open("wb") as out:
+                    while True:
+                        out.write(bytes(1 << 20))
+                        out.flush()
+                time.sleep(STALL_S)
+            finally:  # never left full: the faults after this one need the disk back
+                filler.unlink(missing_ok=True)
+                pin.close()
             f.note = f"tmpfs of host {f.host} full for {STALL_S:g} s"
     f.end_s, f.end_ms = load.now(), _wall_ms()
 
@@ -359,6 +362,7 @@ def settle_ledger(s: snapshot.Snapshot) -> dict[str, int | bool]:
         "corrupt": corrupt,
         "queued_at_end": s.queue_depth,
         "dropped_full": c[Counter.SETTLE_DROPPED],
+        "drops_made_good": c[Counter.SETTLE_DROPS_RECOVERED],
         "abandoned": c[Counter.SETTLE_ABANDONED],
         "balanced": enqueued == sent + expired + corrupt + s.queue_depth,
         "breaker_opened": c[Counter.BREAKER_TO_OPEN],
@@ -389,9 +393,11 @@ def ledger(
     stores: list[list[Stored]],
     faults: list[Fault],
     finals: list[snapshot.Snapshot],
+    unknown: int,
 ) -> Ledger:
     led = Ledger()
     fig = led.figures
+    fig["stored_unknown_to_fleet"] = unknown
     attempts = load.attempts
     by_host = [{s.id for s in rows} for rows in stores]
     everywhere = set().union(*by_host)
@@ -514,6 +520,7 @@ def ledger(
         fig["duplicates_stored_redis_healthy"] == 0, "duplicates stored while Redis was healthy"
     )
     led.check(all(s["balanced"] for s in fig["settle"]), "settle accounting does not balance")
+    led.check(unknown == 0, f"{unknown} stored hooks not committed in Redis at the end")
     for i, h in enumerate(hosts):  # a restart after SIGKILL re-attaches a ring at rest
         damaged = "settle queue was damaged" in h.service.log()
         led.check(not damaged, f"host {i}: a crash left a settle queue taken for damage")
@@ -532,12 +539,37 @@ def ledger(
 # -- the run ---------------------------------------------------------------------------------
 
 
+def _settled(s: snapshot.Snapshot) -> bool:
+    """Nothing queued, and every drop made good (``repromote.Drops``)."""
+    c = s.counters
+    return s.queue_depth == 0 and c[Counter.SETTLE_DROPPED] == c[Counter.SETTLE_DROPS_RECOVERED]
+
+
 def wait_drained(hosts: list[Host], timeout_s: float = 15.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if all(snapshot.take(h.attach()).queue_depth == 0 for h in hosts):
+        if all(_settled(snapshot.take(h.attach())) for h in hosts):
             return
         time.sleep(0.1)
+
+
+def unknown_to_fleet(redis: RedisServer, stores: list[list[Stored]]) -> int:
+    """Stored hooks whose event the fleet does not hold as committed at the end (its key
+    absent, pending, or naming no stored copy): a resend of one would be stored again."""
+    ids: dict[str, set[str]] = {}
+    for rows in stores:
+        for s in rows:
+            ids.setdefault(s.key, set()).add(s.id)
+    keys = list(ids)
+    missing = 0
+    with redis.client() as r:
+        for i in range(0, len(keys), 1_000):
+            part = keys[i : i + 1_000]
+            values = r.mget([f"ankusa:{{acme}}:dd:github:{k}" for k in part])
+            for key, value in zip(part, values, strict=True):
+                held = value.decode().removeprefix("c:") if value else ""
+                missing += not (value and value.startswith(b"c:") and held in ids[key])
+    return missing
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -590,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
         for h in hosts:
             h.service.stop()
         stores = [read_store(h) for h in hosts]
-        led = ledger(load, hosts, stores, faults, finals)
+        led = ledger(load, hosts, stores, faults, finals, unknown_to_fleet(redis, stores))
         print_ledger(led)
         if args.report:
             from chaos_report import write_report
@@ -621,6 +653,7 @@ def print_ledger(led: Ledger) -> None:
     print(f"  events {f['events']:,}, attempts {f['attempts']:,}, statuses {f['statuses']}")
     print(f"  lost (2xx, not stored): {f['lost']}    never acknowledged: {f['never_acknowledged']}")
     print(f"  copies per event key: {f['copies_per_key']}")
+    print(f"  stored but not committed in Redis at the end: {f['stored_unknown_to_fleet']}")
     print(
         f"  duplicates stored: {f['duplicates_stored_redis_healthy']} while Redis was healthy, "
         f"{f['duplicates_stored_redis_degraded']} while it was not"

@@ -120,7 +120,8 @@ def write_report(
     )
     settle = "\n".join(
         f"| {i} | {s['enqueued']:,} | {s['sent']:,} | {s['expired']:,} | {s['corrupt']} "
-        f"| {s['queued_at_end']} | {s['dropped_full']:,} | {s['abandoned']} "
+        f"| {s['queued_at_end']} | {s['dropped_full']:,} | {s['drops_made_good']:,} "
+        f"| {s['abandoned']} "
         f"| {'yes' if s['balanced'] else 'NO'} "
         f"| {s['breaker_opened']} |"
         for i, s in enumerate(f["settle"])
@@ -150,6 +151,8 @@ the faults below. Verdict: **{verdict}**.
 | **lost** (answered 2xx, not in the host's store) | **{f["lost"]}** |
 | events never acknowledged | {f["never_acknowledged"]} |
 | copies stored per event key | `{json.dumps(f["copies_per_key"])}` |
+| **stored, but not committed in Redis at the end** (a resend would be stored again) | \
+**{f["stored_unknown_to_fleet"]}** |
 | **duplicates stored while Redis was healthy** | **{f["duplicates_stored_redis_healthy"]}** |
 | duplicates stored while Redis was stalled, down or just back | \
 {f["duplicates_stored_redis_degraded"]} |
@@ -166,11 +169,12 @@ the faults below. Verdict: **{verdict}**.
 
 enqueued = sent + expired + corrupt (failed their check) + still queued; dropped (queue
 full) and abandoned (a producer killed between reserving and publishing) were never
-enqueued.
+enqueued. Drops made good: the drainer promoted again, from the store, every hook stored
+since the drops began.
 
-| host | enqueued | sent | expired | corrupt | queued | dropped | abandoned | balanced \
-| breaker opened |
-|---|---|---|---|---|---|---|---|---|---|
+| host | enqueued | sent | expired | corrupt | queued | dropped | made good | abandoned \
+| balanced | breaker opened |
+|---|---|---|---|---|---|---|---|---|---|---|
 {settle}
 
 ## Processes killed

@@ -7,12 +7,12 @@ whichever host it reaches. So the fleet keeps one key without a TTL, ``<prefix>:
 set by the first host to find it missing, and each host's drainer reads it every
 ``CHECK_S``. A value other than the one it last read means the data it stood beside is
 gone; the drainer then promotes again, from this host's store, every keyed hook still in
-its dedupe window (the newest ``fleet.settle_queue_size`` of them): the promotes a crash
-recovery sends, idempotent and never over another host's committed hook.
+its dedupe window, newest first and paced (``repromote``): the promotes a crash recovery
+sends, idempotent and never over another host's committed hook.
 
 The value last read is kept in the segment, so a drainer or supervisor restarted
 meanwhile still compares with it; a host started on a new segment promotes its window
-anyway (the supervisor's recovery). On a Redis Cluster the key lives on one node: a node
+anyway (``repromote.Drops``). On a Redis Cluster the key lives on one node: a node
 that loses its data alone is not seen.
 """
 
@@ -42,7 +42,7 @@ class Epoch:
         self._row = row
         self._timeout_s = timeout_s
         self._path = cfg.store.path
-        self._most = cfg.fleet.settle_queue_size
+        self._dedupe = "dedupe" in cfg.fleet_kinds  # else no hook of this host has a key
         self._window_ms = cfg.dedupe_window_s * 1000
 
     async def check(self, evicting: bool = False) -> None:
@@ -78,9 +78,11 @@ class Epoch:
         self._blob.write(current)
 
     async def _promote_window(self) -> bool:
+        if not self._dedupe:
+            return True
         since_ms = time.time_ns() // 1_000_000 - self._window_ms
         sent = await repromote.promote_stored(
-            self._store, self._path, since_ms, self._row, self._timeout_s, self._most
+            self._store, self._path, since_ms, self._row, self._timeout_s
         )
         if sent is not None:
             log.info("promoted again %d hooks stored on this host", sent)

@@ -36,30 +36,29 @@ log = logging.getLogger("ankusa_shm.drainer")
 
 PROMOTES_PER_CALL = 1_000
 PAGE = 10_000  # hooks read from the store at a time
+# At most this many promotes a second from one host: after Redis lost its data every host
+# promotes its whole window at once, and each host's admits share that Redis meanwhile
+# (a promote costs it about 3 us: a fleet of ten at this pace keeps it 60 % busy).
+PROMOTES_PER_S = 20_000
 # Between a hook's receipt (its ``received_ms``) and its promote's push: the fleet call's
 # budget, the wait for the store's lock, and room to spare.
 SLACK_MS = 5_000
 
 
 async def promote_stored(
-    store: RedisStore,
-    path: str | Path,
-    since_wall_ms: int,
-    row: CounterRow,
-    timeout_s: float,
-    most: int | None = None,
+    store: RedisStore, path: str | Path, since_wall_ms: int, row: CounterRow, timeout_s: float
 ) -> int | None:
     """Promote every keyed hook received since ``since_wall_ms`` and still in its dedupe
-    window, newest first (only the newest ``most``, if given), ``PROMOTES_PER_CALL`` a
-    call, counted in ``fleet_repromoted``. How many were sent; None if the store could
-    not be read or a call failed (said in the log), to be tried again later."""
+    window, newest first (the likeliest to be sent again), ``PROMOTES_PER_CALL`` a call
+    and at most ``PROMOTES_PER_S``, counted in ``fleet_repromoted``. How many were sent;
+    None if the store could not be read or a call failed (said in the log), to be tried
+    again later."""
     sent = 0
     below: int | None = readers.NEWEST
-    while below is not None and (most is None or sent < most):
-        limit = PAGE if most is None else min(PAGE, most - sent)
+    while below is not None:
         try:
             hooks, below = await asyncio.to_thread(
-                readers.claimed_page, path, since_wall_ms, below, limit
+                readers.claimed_page, path, since_wall_ms, below, PAGE
             )
         except StoreError as e:
             log.warning("cannot read the store to promote its hooks again: %s", e)
@@ -72,13 +71,15 @@ async def promote_stored(
         ]
         for i in range(0, len(records), PROMOTES_PER_CALL):
             part = records[i : i + PROMOTES_PER_CALL]
+            began = time.monotonic()
             try:
-                await store.settle(part, now_ms, time.monotonic() + timeout_s)
+                await store.settle(part, now_ms, began + timeout_s)
             except (TimeoutError, RedisError) as e:
                 log.warning("promoting this host's hooks again stopped after %d: %s", sent, e)
                 return None
             row.add(Counter.REPROMOTED, len(part))
             sent += len(part)
+            await asyncio.sleep(max(0.0, began + len(part) / PROMOTES_PER_S - time.monotonic()))
     return sent
 
 
@@ -90,9 +91,10 @@ class Drops:
     What is made good is kept in the segment, for the next drainer: the drops as a count
     (``fleet_settle_drops_recovered``), and the moment before which every drop is made
     good in the queue (``SettleQueue.mended_ms``), moved on at every look that finds none
-    left. Only where that moment is not known (a segment whose queue dropped before any
-    drainer looked) are the newest ``fleet.settle_queue_size`` hooks of the whole dedupe
-    window promoted instead."""
+    left. A new segment does not know that moment -- a reboot emptied ``/dev/shm``, or an
+    upgrade replaced a segment of another layout, and whatever its queue held is gone,
+    promotes that waited out a Redis outage included -- so there the whole dedupe window
+    is promoted, once. On a first start that is an empty store."""
 
     def __init__(
         self, cfg: Config, store: RedisStore, seg: Segment, row: CounterRow, timeout_s: float
@@ -103,7 +105,7 @@ class Drops:
         self._row = row
         self._timeout_s = timeout_s
         self._path = cfg.store.path
-        self._most = cfg.fleet.settle_queue_size
+        self._dedupe = "dedupe" in cfg.fleet_kinds  # else no hook of this host has a key
         self._window_ms = cfg.dedupe_window_s * 1000
         self._slack_ms = cfg.fleet.timeout_ms + cfg.store.lock_timeout_ms + SLACK_MS
 
@@ -117,28 +119,31 @@ class Drops:
         nor dropped behind. The moment is read before the counts: a drop the counts miss
         came after it."""
         wall_ms = time.time_ns() // 1_000_000
+        mended_ms = self._queue.mended_ms()
         unmended = self.unmended()
-        if unmended <= 0:
+        if (unmended <= 0 and mended_ms) or not self._dedupe:
             self._queue.set_mended_ms(wall_ms)
             return
         if not delivering:
             return
-        mended_ms = self._queue.mended_ms()
-        if mended_ms:
-            since_ms, most = mended_ms - self._slack_ms, None
-        else:
-            since_ms, most = wall_ms - self._window_ms, self._most
-        sent = await promote_stored(
-            self._store, self._path, since_ms, self._row, self._timeout_s, most
-        )
+        since_ms = mended_ms - self._slack_ms if mended_ms else wall_ms - self._window_ms
+        sent = await promote_stored(self._store, self._path, since_ms, self._row, self._timeout_s)
         if sent is None:
             return
-        self._row.add(Counter.SETTLE_DROPS_RECOVERED, unmended)
+        if unmended > 0:
+            self._row.add(Counter.SETTLE_DROPS_RECOVERED, unmended)
         self._queue.set_mended_ms(wall_ms)
-        log.warning(
-            "the settle queue had dropped %d operations for want of room; promoted again"
-            " the %d hooks this host stored in the %.0f s since",
-            unmended,
-            sent,
-            (wall_ms - since_ms) / 1000,
-        )
+        if unmended > 0:
+            log.warning(
+                "the settle queue had dropped %d operations for want of room; promoted again"
+                " the %d hooks this host stored in the %.0f s since",
+                unmended,
+                sent,
+                (wall_ms - since_ms) / 1000,
+            )
+        elif sent:
+            log.info(
+                "a new segment (what an old one held queued is unknown): promoted again the"
+                " %d hooks this host stored in their dedupe window",
+                sent,
+            )

@@ -152,10 +152,9 @@ class Arbiter:
             self._queue = SettleQueue(self._seg.view, self._seg.buf, self._seg.layout)
             if self._seg.header().created_ns < began_ns:  # re-attached: its owner may have died
                 self._recover_from(_recovery_start(cfg, _last_heard_ms(self._seg)))
-            else:
-                # New: what an earlier segment held queued (lost with a reboot, or with a
-                # segment replaced on upgrade) is unknown, so every dedupe window is looked at.
-                self._recover_from(_window_start(cfg))
+            # A new one: what an earlier segment held queued (lost with a reboot, or with a
+            # segment replaced on upgrade) is unknown, and its drainer promotes the whole
+            # dedupe window again (``repromote.Drops``).
             self._publish(cfg)
             overrides.publish_stored(self._seg.blob("overrides"), cfg.store.path)
             self._install_signals()
@@ -681,11 +680,6 @@ def _recovery_start(cfg: Config, crashed_ms: int | None = None) -> int:
     not just now."""
     now_ms = time.time_ns() // 1_000_000
     return min(now_ms, crashed_ms or now_ms) - cfg.store.lock_timeout_ms - 1_000
-
-
-def _window_start(cfg: Config) -> int:
-    """Wall ms from which a stored hook may still be in its dedupe window."""
-    return time.time_ns() // 1_000_000 - cfg.dedupe_window_s * 1000
 
 
 def _last_heard_ms(seg: Segment) -> int | None:
