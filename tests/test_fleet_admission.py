@@ -4,6 +4,7 @@ hosts, the scopes, round trips as the server counts them, and what faults do."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import re
 import time
@@ -11,6 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
+import pytest
 import uvloop
 from fleet_helpers import (
     TEST_TRAFFIC,
@@ -36,6 +38,7 @@ from fleet_helpers import (
     stopped,
     total,
     totals,
+    wait_until,
 )
 from redis_server import RedisServer, free_port
 
@@ -881,3 +884,51 @@ def test_flushed_script_cache_is_reloaded_once_per_burst(redis_server: RedisServ
         assert counted[Counter.STORE_OK] == 1 + flushes * burst
         assert counted[Counter.STORE_ERROR] == counted[Counter.STORE_TIMEOUT] == 0
         assert counted[Counter.BREAKER_TO_OPEN] == 0
+
+
+@pytest.mark.parametrize("refusal", ["OOM", "READONLY"])
+def test_a_store_that_refuses_writes_still_answers_what_it_holds(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture, refusal: str
+) -> None:
+    """Redis at its maxmemory under noeviction (-OOM), or a replica (-READONLY), refuses
+    writes and still answers reads. Before, every call with a hook to claim failed whole,
+    a committed event in the same turn included, and the breaker opened, so a resend to
+    another host of an event the fleet holds was stored again. Now each hook is judged as
+    ever: the committed event is a duplicate, a new one is admitted node-local with a
+    promote to follow, nothing is written, and the breaker stays closed."""
+    held = {dd_key("old"): b"c:hook-old"}
+    with contextlib.ExitStack() as stack, segments(1) as (seg,):
+        redis_server.client().set(dd_key("old"), held[dd_key("old")], px=600_000)
+        if refusal == "OOM":
+            server = redis_server
+            server.client().config_set("maxmemory", 1)  # noeviction is the default policy
+            stack.callback(lambda: redis_server.client().config_set("maxmemory", 0))
+        else:
+            server = stack.enter_context(contextlib.closing(RedisServer()))
+            server.client().replicaof("127.0.0.1", redis_server.port)
+            replica = server.client()
+            wait_until(lambda: replica.get(dd_key("old")) == b"c:hook-old", what="replicated")
+        cfg = fleet_config(server.url, bare(seg), breaker_min_calls=4)
+
+        async def body() -> tuple[list[Admitted], list[Admitted], Admitted, str]:
+            async with open_fleet(cfg, seg) as fleet:
+                first = await asyncio.gather(  # one turn: one call
+                    *(admit(fleet, cfg, k) for k in ("old", "new-1", "new-2"))
+                )
+                later = [await admit(fleet, cfg, f"more-{i}") for i in range(10)]
+                again = await admit(fleet, cfg, "old")
+                return list(first), later, again, fleet.state()
+
+        first, later, again, state = run(body())
+        written = server.client().mget([dd_key("new-1"), dd_key("more-0"), rl_key()])
+        counted = totals(seg)
+    assert first[0] == again == Duplicate("hook-old")
+    promote_only(first[1], "new-1")
+    promote_only(first[2], "new-2")
+    for i, answer in enumerate(later):
+        promote_only(answer, f"more-{i}")
+    assert state == "closed"
+    assert written == [None, None, None]
+    assert counted[Counter.STORE_OK] == 14 and counted[Counter.STORE_ERROR] == 0
+    assert counted[Counter.FALLBACK_DEDUPE] == counted[Counter.FALLBACK_RATE_LIMIT] == 12
+    assert f"the fleet store refuses writes ({refusal}" in caplog.text

@@ -632,6 +632,48 @@ def test_two_hosts_sharing_redis_store_an_event_once(
     assert stored == dict.fromkeys(deliveries, 1)  # each event stored once, fleet-wide
 
 
+def test_a_full_redis_still_stops_a_resend_to_another_host(
+    make: list[Service], tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Redis at its maxmemory under noeviction, the policy deploy.md asks for, refuses
+    writes. An event stored on host 0 before is sent to host 1 after many new hooks have
+    reached it: before, those hooks' calls failed and opened the breaker, and the resend
+    was stored again; now Redis still says the event is held, and host 1 answers it as a
+    duplicate of host 0's hook. Once Redis has room, host 1's hooks are promoted."""
+    quick_breaker = "breaker_min_calls = 4\n"
+    hosts = [
+        service(make, tmp_path / f"host{i}", fleet_config(redis_server, quick_breaker)).start()
+        for i in (0, 1)
+    ]
+    body = b'{"event": "once"}'
+    headers = signed(body, "held-event")
+    first = hosts[0].post("github", body, headers)
+    assert first.status == 201
+    r = redis_server.client()
+    key = "ankusa:{acme}:dd:github:held-event"
+    wait_until(lambda: r.get(key) == f"c:{first.body['id']}".encode(), what="the event promoted")
+    r.config_set("maxmemory", 1)  # noeviction is the default policy
+    try:
+        conn = hosts[1].connection()
+        for i in range(12):
+            b = json.dumps({"n": i}).encode()
+            assert hosts[1].post("github", b, signed(b, f"new-{i}"), conn).status == 201
+        again = hosts[1].post("github", body, headers, conn)
+        conn.close()
+    finally:
+        r.config_set("maxmemory", 0)
+    assert again.status == 201 and again.body == {**first.body, "duplicate": True}
+    assert "the fleet store refuses writes (OOM" in hosts[1].log()
+    new_keys = [f"ankusa:{{acme}}:dd:github:new-{i}" for i in range(12)]
+    wait_until(
+        lambda: all(isinstance(v, bytes) and v.startswith(b"c:") for v in r.mget(new_keys)),
+        what="host 1's hooks promoted once Redis has room",
+    )
+    assert [h.event_key for h in readers.page(hosts[1].store_path, 0, 100)] == [
+        f"new-{i}".encode() for i in range(12)
+    ]
+
+
 def test_a_store_that_cannot_write_answers_503_releases_the_claim_and_recovers(
     make: list[Service], tmp_path: Path, redis_server: RedisServer
 ) -> None:

@@ -5,7 +5,9 @@ GCRA table and nothing else. With a fleet scope it makes exactly one store call 
 carrying the tenant's charge and the dedupe claim together, under the hard budget
 ``fleet.timeout_ms``. A call that fails or runs out of budget -- or is not made because
 the shared breaker is open -- is answered from this host alone: its own buckets, and for
-dedupe the store's local index. A limiter outage never refuses a hook.
+dedupe the store's local index. A limiter outage never refuses a hook. A store that
+answers but refuses writes (full, or a replica) is still asked: it still knows the events
+it holds, and only what it cannot record is answered from this host.
 
 A keyed hook is always admitted with its claim, to be settled once its commit is known.
 A claim that may exist in Redis is handed back even when its call timed out (the server
@@ -29,7 +31,7 @@ from ankusa_shm.clock import Clock, monotonic_ns
 from ankusa_shm.config import Config, Source
 from ankusa_shm.fleet import redis_store
 from ankusa_shm.fleet.redis_client import REFUSED_HINT, RedisError, refused
-from ankusa_shm.fleet.redis_store import RedisStore
+from ankusa_shm.fleet.redis_store import RedisStore, WritesRefused
 from ankusa_shm.fleet.settle import NO_TOKEN, Claim, Settler, Stored, stored_claims
 from ankusa_shm.hooks import CommitResult, Envelope
 from ankusa_shm.limits import Limit
@@ -243,6 +245,12 @@ class Fleet:
             self._breaker.record(ok, now_ms)
         if not ok:
             return None
+        if verdict == redis_store.UNRECORDED:  # it reads, but writes nothing: see admit.lua
+            assert isinstance(value, bytes)
+            self._fall_back(WritesRefused(value.decode(errors="replace")), now_ms)
+            if claim is not None:  # nothing of it in Redis; its promote will say it is stored
+                claim = Claim(claim.key, NO_TOKEN, claim.ttl_ms)
+            return self._take_local(tenant, limit, now, claim)
         if claim is not None:  # answered: the claim was written, if at all, before now
             claim = Claim(claim.key, claim.token, claim.ttl_ms, ended // 1_000_000)
         if self._breaker.closed():  # a late success while open changes nothing
@@ -275,7 +283,7 @@ class Fleet:
             self._row.add(_FALLBACK[kind])
             if self._degraded.failed(kind, now_ms):
                 why = self._why(failed)
-                if refused(self._failure):  # a config to fix: said as an error, with how
+                if refused(failed or self._failure):  # a config to fix: an error, with how
                     log.error(
                         "%s: answering %s node-local on this host; %s", why, kind, REFUSED_HINT
                     )
@@ -285,6 +293,11 @@ class Fleet:
     def _why(self, failed: BaseException | None) -> str:
         if failed is None:  # and the call that last failed, since the open breaker hides it
             return f"the fleet store breaker is open ({self._why(self._failure)})"
+        if isinstance(failed, WritesRefused):
+            return (
+                f"the fleet store refuses writes ({failed}), and still answers reads: resends "
+                "of events it holds are duplicates as ever, but it records no new claim"
+            )
         if isinstance(failed, TimeoutError):
             return f"the last fleet store call had no answer within {self._budget_s * 1000:g} ms"
         return f"the last fleet store call failed ({failed})"

@@ -11,8 +11,16 @@
 -- ARGV       charge (0|1), interval_us, burst, pending_ttl_ms, then hook i's token
 --            ('' claims nothing)
 -- Returns    two entries per hook: 0, 0 admitted (claimed if asked) | 1, hook_id duplicate |
---            2, ms another claim pending | 3, ms rate limited
+--            2, ms another claim pending | 3, ms rate limited |
+--            4, why admitted, but the server refused to write: nothing of it recorded
 -- A duplicate or pending key is not charged; a limited hook claims nothing.
+--
+-- A server that refuses writes (-OOM at maxmemory under noeviction, -READONLY on a replica,
+-- -MISCONF when its snapshots fail) still answers reads: every hook is judged as ever, so a
+-- resend of an event the fleet holds is still a duplicate and a tenant over its limit is
+-- still limited, but a hook that would have been admitted is answered 4, with the refusal,
+-- and its host answers it node-local. The refusal comes at a call's first write, before
+-- anything of it is written, and nothing more is tried once it has.
 local charge = ARGV[1] == '1'
 local interval, burst, pending_ttl = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
 local span = interval * burst
@@ -22,6 +30,14 @@ if charge then
   now = tonumber(t[1]) * 1000000 + tonumber(t[2])
   tat = tonumber(redis.call('GET', KEYS[1]) or '0')
   if tat < now then tat = now end
+end
+
+local refused
+local function write(...)
+  if not refused then
+    local r = redis.pcall(...)
+    if type(r) == 'table' and r.err then refused = r.err end
+  end
 end
 
 local out = {}
@@ -38,7 +54,7 @@ for i = 2, #KEYS do
       end
     end
   end
-  if verdict == 0 and charge then
+  if verdict == 0 and charge and not refused then  -- once refused, no charge is recorded
     local ahead = tat - now + interval
     if ahead > span then
       verdict, value = 3, math.ceil((ahead - span) / 1000)
@@ -47,7 +63,7 @@ for i = 2, #KEYS do
     end
   end
   if verdict == 0 and token ~= '' then
-    redis.call('SET', KEYS[i], 'p:' .. token, 'PX', pending_ttl)
+    write('SET', KEYS[i], 'p:' .. token, 'PX', pending_ttl)
   end
   out[#out + 1] = verdict
   out[#out + 1] = value
@@ -55,6 +71,11 @@ end
 
 if lead then
   -- %.0f: Lua would print a 16-digit number in exponent form and lose microseconds
-  redis.call('SET', KEYS[1], string.format('%.0f', tat), 'PX', math.ceil(lead / 1000) + 1)
+  write('SET', KEYS[1], string.format('%.0f', tat), 'PX', math.ceil(lead / 1000) + 1)
+end
+if refused then
+  for j = 1, #out, 2 do
+    if out[j] == 0 then out[j], out[j + 1] = 4, refused end
+  end
 end
 return out

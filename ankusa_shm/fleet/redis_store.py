@@ -64,7 +64,12 @@ ADMIT = Script.load("admit.lua")
 SETTLE = Script.load("settle.lua")
 
 # admit.lua's answers
-ADMITTED, DUPLICATE, PENDING, LIMITED = 0, 1, 2, 3
+ADMITTED, DUPLICATE, PENDING, LIMITED, UNRECORDED = 0, 1, 2, 3, 4
+
+
+class WritesRefused(RedisError):
+    """The server answered, but refuses writes (``-OOM``, ``-READONLY``, ``-MISCONF``): it
+    still says what it holds, and records nothing new."""
 
 
 class RedisStore:
@@ -110,7 +115,9 @@ class RedisStore:
         deadline: float = _NEVER,
     ) -> asyncio.Future[tuple[int, int | bytes]]:
         """One hook's admission: (ADMITTED, 0) | (DUPLICATE, hook id) | (PENDING, ms) |
-        (LIMITED, ms). ``limit`` None charges nothing; ``dedupe_key`` None claims nothing.
+        (LIMITED, ms) | (UNRECORDED, the server's refusal to write): admitted as far as
+        the server can say, but nothing of it recorded, neither claim nor charge.
+        ``limit`` None charges nothing; ``dedupe_key`` None claims nothing.
         Past ``deadline`` (``time.monotonic()`` seconds), TimeoutError.
 
         The hooks asked for in one turn of the loop share one script call per tenant
