@@ -647,9 +647,11 @@ def test_a_changed_epoch_is_promoted_for_only_when_the_server_does_not_evict(
     promoted into a full server would evict more: said, nothing promoted. Elsewhere a
     change is promoted for, and the new value kept only once that went out (here the store
     cannot be read, so it is not, and the next check tries again)."""
+    unreadable = tmp_path / "hooks.db"
+    unreadable.write_bytes(b"not a database, " * 512)
     with segments(1) as (seg,):
         raw = fleet_raw(redis_server.url, bare(seg))
-        raw["store"] = {"path": str(tmp_path / "absent" / "hooks.db")}
+        raw["store"] = {"path": str(unreadable)}
         cfg = config.parse(raw, "epoch-test")
         blob = seg.blob("epoch")
 
@@ -660,7 +662,7 @@ def test_a_changed_epoch_is_promoted_for_only_when_the_server_does_not_evict(
             try:
                 await watch.check()
                 first = blob.read()
-                assert isinstance(first, str)
+                assert isinstance(first, dict) and list(first) == ["ankusa:epoch"]
                 with redis_server.client() as r:
                     r.flushall()
                     await watch.check(evicting=True)

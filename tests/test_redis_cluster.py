@@ -6,6 +6,7 @@ replica. Also: the project's own hash slot agrees with the server's ``CLUSTER KE
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import shutil
@@ -14,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,6 +27,7 @@ from fleet_helpers import (
     dd_key,
     drain_all,
     fleet_config,
+    fleet_raw,
     open_fleet,
     rl_key,
     run,
@@ -36,6 +39,7 @@ from fleet_helpers import (
 from redis.crc import key_slot
 from redis_server import RedisServer, free_port
 
+from ankusa_shm import config
 from ankusa_shm.config import Config
 from ankusa_shm.fleet import hash_slot
 from ankusa_shm.fleet.admission import (
@@ -47,10 +51,13 @@ from ankusa_shm.fleet.admission import (
     Fleet,
     RateLimited,
 )
+from ankusa_shm.fleet.epoch import Epoch
 from ankusa_shm.fleet.redis_client import ClusterClient
 from ankusa_shm.fleet.redis_store import RedisStore
-from ankusa_shm.hooks import Committed, NotStored
+from ankusa_shm.hooks import Committed, NewHook, NotStored
+from ankusa_shm.shm import procs
 from ankusa_shm.shm.counters import Counter
+from ankusa_shm.store.writer import Writer
 
 Addr = tuple[str, int]
 
@@ -489,3 +496,56 @@ async def fleet_answers_again(fleet: Fleet, cfg: Config, tenant: str) -> None:
         assert isinstance(answer, Admit), answer
         assert time.monotonic() < deadline, f"{tenant} not answered by the fleet"
         await asyncio.sleep(0.02)
+
+
+def test_epoch_keys_lie_one_in_each_64th_of_the_slots() -> None:
+    tags = hash_slot.spread_tags(64)
+    assert sorted(hash_slot.key_slot(t.encode()) // 256 for t in tags) == list(range(64))
+    assert hash_slot.spread_tags(64) == tags  # every host computes the same keys
+
+
+def test_a_node_that_lost_its_data_alone_gets_this_hosts_hooks_again(
+    cluster: RedisCluster, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A node that loses its data alone (FLUSHALL on it, a restart without persistence)
+    loses epoch keys too, since every node holds some: the drainer's check sees them
+    change and promotes this host's hooks again. With the one epoch key of before, the
+    other nodes could lose theirs unseen: the node flushed here does not hold it."""
+    tenants = tenants_on_each_node(cluster)
+    lone = next(n for n in cluster.primaries() if n is not cluster.owner(b"ankusa:epoch"))
+    with segments(1) as (seg,):
+        raw = fleet_raw(cluster.url, bare(seg), cluster=True, tenants=tenants)
+        raw["store"] = {"path": str(tmp_path / "hooks.db")}
+        cfg = config.parse(raw, "cluster-epoch")
+        wall = int(time.time() * 1000)
+        hooks = [
+            NewHook(f"hook-{t}-{i}", t, f"src-{t}", f"k{i}".encode(), 600, wall, (), b"{}")
+            for t in tenants
+            for i in range(5)
+        ]
+
+        async def body() -> None:
+            writer = Writer(cfg.store)
+            writer.start(asyncio.get_running_loop())
+            for h in hooks:
+                assert await writer.commit(h) == Committed(h.id)
+            await writer.close()
+            store = RedisStore.from_config(cfg.fleet)
+            slot = procs.claim(seg.view, seg.layout, procs.Role.DRAINER)
+            watch = Epoch(cfg, store, seg.blob("epoch"), slot.counters, 5.0)
+            try:
+                await watch.check()  # the values as they are
+                with lone.client() as r:
+                    r.flushall()
+                await watch.check()
+            finally:
+                await store.close()
+                slot.release()
+
+        with caplog.at_level(logging.WARNING, logger="ankusa_shm.drainer"):
+            run(body())
+        assert totals(seg)[Counter.REPROMOTED] == len(hooks)
+    assert "the fleet store lost its data" in caplog.text
+    for h in hooks:
+        key = dd_key(f"k{h.id.rsplit('-', 1)[1]}", h.tenant)
+        assert get_on_owner(cluster, key) == f"c:{h.id}".encode()

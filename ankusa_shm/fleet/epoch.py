@@ -10,10 +10,11 @@ gone; the drainer then promotes again, from this host's store, every keyed hook 
 its dedupe window, newest first and paced (``repromote``): the promotes a crash recovery
 sends, idempotent and never over another host's committed hook.
 
-The value last read is kept in the segment, so a drainer or supervisor restarted
-meanwhile still compares with it; a host started on a new segment promotes its window
-anyway (``repromote.Drops``). On a Redis Cluster the key lives on one node: a node
-that loses its data alone is not seen.
+The values last read are kept in the segment, so a drainer or supervisor restarted
+meanwhile still compares with them; a host started on a new segment promotes its window
+anyway (``repromote.Drops``). On a Redis Cluster there is one epoch key in each 64th of
+the slot space, ``<prefix>:epoch:{<tag>}``, so that a node that loses its data alone
+loses one of them too (a node serving fewer than 512 slots in a row may hold none).
 """
 
 from __future__ import annotations
@@ -46,32 +47,34 @@ class Epoch:
         self._window_ms = cfg.dedupe_window_s * 1000
 
     async def check(self, evicting: bool = False) -> None:
-        """Read the epoch; if it changed, promote this host's window again. A server that
-        does not answer is left for the next check, and so is a promote that failed: the
-        new value is kept only once every promote went out. On a server that ``evicting``
-        (its policy may evict keys), a changed epoch may be the key evicted, not the data
-        lost, and promoting a whole window into a full server would evict more: it is
-        said, and nothing promoted."""
+        """Read the epoch keys; if one changed, promote this host's window again. A server
+        that does not answer is left for the next check, and so is a promote that failed:
+        the new values are kept only once every promote went out. A key not read before
+        (a first check, a key new to this build) is only kept. On a server that
+        ``evicting`` (its policy may evict keys), a changed epoch may be the key evicted,
+        not the data lost, and promoting a whole window into a full server would evict
+        more: it is said, and nothing promoted."""
         try:
-            value = await self._store.epoch(time.monotonic() + self._timeout_s)
+            values = await self._store.epoch(time.monotonic() + self._timeout_s)
         except (TimeoutError, RedisError):
             return
-        if value is None:
-            return
         seen = self._blob.read()
-        current = value.decode(errors="replace")
-        if seen == current:
+        seen = seen if isinstance(seen, dict) else {}
+        current = {**seen, **values}  # a key its server refused this time keeps its value
+        if current == seen:
             return
-        if seen is not None and evicting:
+        lost = [k for k, v in values.items() if k in seen and seen[k] != v]
+        if lost and evicting:
             log.warning(
                 "the fleet store's epoch key changed, on a Redis that may evict keys: not "
                 "promoting this host's hooks again (set maxmemory-policy noeviction)"
             )
-        elif seen is not None:
+        elif lost:
             log.warning(
-                "the fleet store lost its data (its epoch key changed: a restart without "
+                "the fleet store lost its data (its epoch key changed%s: a restart without "
                 "persistence, a flush, or a replica's resync); promoting this host's "
-                "hooks in their dedupe window again"
+                "hooks in their dedupe window again",
+                f", {lost[0]} among {len(lost)}" if len(seen) > 1 else "",
             )
             if not await self._promote_window():
                 return

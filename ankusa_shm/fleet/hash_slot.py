@@ -29,3 +29,21 @@ def hash_tag(key: bytes) -> bytes:
 
 def key_slot(key: bytes) -> int:
     return crc_hqx(hash_tag(key), 0) % SLOTS
+
+
+def spread_tags(n: int) -> list[str]:
+    """``n`` short hash tags whose slots fall one in each of ``n`` equal ranges of the
+    slot space, the same on every host: keys tagged with them lie on every node of a
+    cluster whose nodes each serve at least one whole range (``SLOTS / n`` slots in a
+    row)."""
+    width = -(-SLOTS // n)
+    tags: list[str | None] = [None] * n
+    left, i = n, 0
+    while left:
+        tag = str(i)
+        bucket = key_slot(tag.encode()) // width
+        if tags[bucket] is None:
+            tags[bucket] = tag
+            left -= 1
+        i += 1
+    return [t for t in tags if t is not None]

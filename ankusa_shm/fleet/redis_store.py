@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from importlib import resources
 
 from ankusa_shm.config import Fleet as FleetConfig
-from ankusa_shm.fleet.hash_slot import hash_tag
+from ankusa_shm.fleet.hash_slot import hash_tag, spread_tags
 from ankusa_shm.fleet.redis_client import (
     Arg,
     Call,
@@ -63,6 +63,8 @@ class Script:
 ADMIT = Script.load("admit.lua")
 SETTLE = Script.load("settle.lua")
 
+EPOCH_KEYS = 64  # on a cluster: one in each 256 slots (a node serving 512 in a row has one)
+
 # admit.lua's answers
 ADMITTED, DUPLICATE, PENDING, LIMITED, UNRECORDED = 0, 1, 2, 3, 4
 
@@ -76,7 +78,13 @@ class RedisStore:
     def __init__(self, client: Client | ClusterClient, prefix: str, cluster: bool) -> None:
         self.client = client
         self._prefix = prefix
-        self._epoch_key = f"{prefix}:epoch".encode()
+        # One epoch key, or on a cluster one in each 64th of the slot space, so that every
+        # node holds one (``epoch``); the first is the one ``probe`` writes.
+        self._epoch_keys = (
+            [f"{prefix}:epoch:{{{tag}}}".encode() for tag in spread_tags(EPOCH_KEYS)]
+            if cluster
+            else [f"{prefix}:epoch".encode()]
+        )
         self._cluster = cluster
         # (tenant, limit, pending_ttl_ms) -> this turn's hooks for it
         self._asks: dict[tuple[str, Limit | None, int], list[_Ask]] = {}
@@ -215,14 +223,21 @@ class RedisStore:
         except ValueError:
             return None
 
-    async def epoch(self, deadline: float = _NEVER) -> bytes | None:
-        """The epoch key's value, set to a new random one if it is missing (``SET NX``, then
-        ``GET``, in one round trip): a different value than last time means the server's
-        data was lost since (``epoch``). None if the server refused (no room, read-only).
-        Past ``deadline``, TimeoutError."""
-        key = self._epoch_key
-        _, value = await self.client.send([self._new_epoch(), (key, ("GET", key))], deadline)
-        return value if isinstance(value, bytes) else None
+    async def epoch(self, deadline: float = _NEVER) -> dict[str, str]:
+        """Each epoch key's value, set to a new random one where it is missing (``SET NX``,
+        then ``GET``, all in one round trip, per node on a cluster): a different value than
+        last time means that key's server lost its data since (``epoch``). A key its
+        server refused (no room, read-only) is left out. Past ``deadline``,
+        TimeoutError."""
+        sends: list[tuple[bytes, tuple[Arg, ...]]] = []
+        for key in self._epoch_keys:
+            sends += [self._new_epoch(key), (key, ("GET", key))]
+        replies = await self.client.send(sends, deadline)
+        return {
+            key.decode(): value.decode(errors="replace")
+            for key, value in zip(self._epoch_keys, replies[1::2], strict=True)
+            if isinstance(value, bytes)
+        }
 
     async def probe(self, deadline: float = _NEVER) -> None:
         """What a host does to Redis, once, without touching a hook's key: connect and log
@@ -230,14 +245,15 @@ class RedisStore:
         a key of the prefix (the epoch key, ``SET NX``: set if missing, as a drainer
         would). Raises the first refusal met (``RedisError``; past ``deadline``,
         TimeoutError)."""
-        ran = (self._epoch_key, ("EVALSHA", SETTLE.sha, 0))  # the key routes it, on a cluster
-        for reply in await self.client.send([ran, self._new_epoch()], deadline):
+        key = self._epoch_keys[0]
+        ran = (key, ("EVALSHA", SETTLE.sha, 0))  # the key routes it, on a cluster
+        for reply in await self.client.send([ran, self._new_epoch(key)], deadline):
             if isinstance(reply, ReplyError):
                 raise reply
 
-    def _new_epoch(self) -> tuple[bytes, tuple[Arg, ...]]:
-        """The epoch key set to a new random value if it is missing (``SET NX``)."""
-        key = self._epoch_key
+    @staticmethod
+    def _new_epoch(key: bytes) -> tuple[bytes, tuple[Arg, ...]]:
+        """``key`` set to a new random value if it is missing (``SET NX``)."""
         return key, ("SET", key, os.urandom(8).hex(), "NX")
 
     async def reset_tenant(self, tenant: str) -> None:

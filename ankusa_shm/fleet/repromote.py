@@ -53,6 +53,8 @@ async def promote_stored(
     and at most ``PROMOTES_PER_S``, counted in ``fleet_repromoted``. How many were sent;
     None if the store could not be read or a call failed (said in the log), to be tried
     again later."""
+    if not Path(path).exists():  # a first start whose workers have not created it yet
+        return 0
     sent = 0
     below: int | None = readers.NEWEST
     while below is not None:

@@ -13,7 +13,7 @@ line prefetcher never makes two regions or two writers share a line):
     sources      a blob: the JSON list of source ids, in the order their request-count
                  rows were handed out (append-only, so a row never changes source)
     overrides    a blob: JSON {tenant: [rate, burst]}, the tenant limits set at run time
-    epoch        a blob: the fleet store's epoch key as the drainer last read it
+    epoch        a blob: the fleet store's epoch keys as the drainer last read them
     breaker      one packed state word; 32 time buckets of the sliding call window
     degraded     per kind (rate_limit, dedupe): a flag word and a last-warned word
     processes    one 128-byte slot per process: header word, start time, heartbeat,
@@ -81,7 +81,7 @@ import struct
 from dataclasses import dataclass, fields
 
 MAGIC = int.from_bytes(b"ANKUSHM\x01", "little")
-LAYOUT_VERSION = 5
+LAYOUT_VERSION = 6
 LINE = 128
 WORD = 8
 PID_BITS = 22  # Linux's pid_max is at most 2**22
@@ -122,7 +122,7 @@ REGIONS = (
 BLOB_GENERATION = 0  # odd while its writer rewrites it
 BLOB_LENGTH = 8
 BLOB_DATA = 16
-BLOB_BYTES = {"config": 16_384, "sources": 8_192, "overrides": 65_536, "epoch": 256}
+BLOB_BYTES = {"config": 16_384, "sources": 8_192, "overrides": 65_536, "epoch": 8_192}
 CONFIG_BYTES = BLOB_BYTES["config"]
 
 # -- request counts -------------------------------------------------------------------------
