@@ -16,10 +16,13 @@ provider does. While it runs, faults are injected on a schedule scaled to the du
   queue-full       a host with a small settle queue whose drainer is SIGSTOPped until the
                    queue overflows (its workers still claim in Redis), then SIGCONT
   store-full       a host whose store is on a small tmpfs that is filled (needs root)
+  redis-full       redis-server at its maxmemory under noeviction: it refuses writes (-OOM)
+                   and still answers reads
 
 The ledger (printed, and the last line as one JSON object): hooks answered 2xx but not in
 their host's store (lost); copies stored per event key fleet-wide, split by whether
-Redis was healthy when the later copy was stored; hooks refused because of Redis; the
+Redis was healthy when the later copy was stored; stored hooks not committed in Redis at
+the end (a resend of one would be stored again); hooks refused because of Redis; the
 settle accounting of every host from its segment; breaker transitions against the faults;
 latency while Redis was stalled; how long each SIGKILLed process took to be replaced.
 
@@ -76,6 +79,7 @@ FAULTS = (
     "supervisor-kill",
     "queue-full",
     "store-full",
+    "redis-full",
 )
 SHORT = ("worker-kill", "redis-stall", "drainer-kill")
 
@@ -96,7 +100,7 @@ class Fault:
     def redis(self) -> bool:
         """Fleet dedupe is degraded while it lasts (and a little after): Redis is away, or
         (queue-full) promotes are dropped, so their claims expire instead of committing."""
-        return self.name in ("redis-stall", "redis-restart", "queue-full")
+        return self.name in ("redis-stall", "redis-restart", "queue-full", "redis-full")
 
 
 def schedule(names: list[str], duration: float, hosts: int) -> list[Fault]:
@@ -108,7 +112,8 @@ def schedule(names: list[str], duration: float, hosts: int) -> list[Fault]:
         "redis-restart": 0.45,
         "supervisor-kill": 0.55,
         "store-full": 0.68,
-        "queue-full": 0.82,
+        "queue-full": 0.80,
+        "redis-full": 0.90,
     }
     if set(names) <= set(SHORT):
         slots.update({"worker-kill": 0.15, "redis-stall": 0.35, "drainer-kill": 0.75})
@@ -232,6 +237,12 @@ def inject(f: Fault, hosts: list[Host], redis: RedisServer, load: Load, rng: ran
         time.sleep(STALL_S)
         redis.cont_signal()
         f.note = f"SIGSTOP {STALL_S:g} s"
+    elif f.name == "redis-full":
+        with redis.client() as r:  # noeviction, the policy deploy.md asks for: -OOM
+            r.config_set("maxmemory", 1)
+            time.sleep(STALL_S)
+            r.config_set("maxmemory", 0)
+        f.note = f"maxmemory reached (noeviction) for {STALL_S:g} s: writes refused"
     elif f.name == "queue-full":
         drainers = host.service.pids("drainer")
         for pid in drainers:
