@@ -8,6 +8,8 @@ import logging
 import os
 import signal
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,7 @@ from ankusa_shm.fleet.admission import Admit, Admitted, Claim, Fleet, RateLimite
 from ankusa_shm.fleet.drainer import Drainer
 from ankusa_shm.fleet.epoch import Epoch
 from ankusa_shm.fleet.redis_store import RedisStore
+from ankusa_shm.fleet.repromote import Repromoter
 from ankusa_shm.hooks import AlreadyStored, Committed, NotStored
 from ankusa_shm.shm import layout as L
 from ankusa_shm.shm import procs, settle_queue
@@ -58,6 +61,18 @@ from ankusa_shm.shm.settle_queue import SettleQueue
 def claim_of(answer: Admitted) -> Claim:
     assert isinstance(answer, Admit) and answer.claim is not None, answer
     return answer.claim
+
+
+@asynccontextmanager
+async def claimed_then_gone(
+    cfg: Config, seg: Segment, server: RedisServer
+) -> AsyncIterator[tuple[Fleet, Claim]]:
+    """A fleet with one claim Redis answered, and Redis killed since: what it queues next
+    waits for a Redis that is not there."""
+    async with open_fleet(cfg, seg) as fleet:
+        claim = claim_of(await admit(fleet, cfg, "k"))
+        server.kill()
+        yield fleet, claim
 
 
 def committed(i: int) -> bytes:
@@ -216,9 +231,7 @@ def test_a_failing_delivery_says_what_a_full_queue_dropped(
         cfg = fleet_config(redis_server.url, bare(seg), settle_timeout_ms=200)
 
         async def body() -> None:
-            async with open_fleet(cfg, seg) as fleet:
-                claim = claim_of(await admit(fleet, cfg, "k"))
-                redis_server.kill()
+            async with claimed_then_gone(cfg, seg, redis_server) as (fleet, claim):
                 for i in range(16 + 3):
                     fleet.promote(claim, f"hook-{i}")
             assert seg.queue_depth() == 16
@@ -619,9 +632,7 @@ def test_deliveries_that_work_again_say_what_a_full_queue_dropped_meanwhile(
         cfg = fleet_config(redis_server.url, bare(seg), settle_timeout_ms=200)
 
         async def body() -> None:
-            async with open_fleet(cfg, seg) as fleet:
-                claim = claim_of(await admit(fleet, cfg, "k"))
-                redis_server.kill()
+            async with claimed_then_gone(cfg, seg, redis_server) as (fleet, claim):
                 fleet.promote(claim, "hook-0")
                 async with drainer_running(cfg, seg):
                     await await_until(lambda: totals(seg)[Counter.DRAIN_ERRORS] >= 1, "a failure")
@@ -658,7 +669,8 @@ def test_a_changed_epoch_is_promoted_for_only_when_the_server_does_not_evict(
         async def body() -> None:
             store = RedisStore.from_config(cfg.fleet)
             slot = procs.claim(seg.view, seg.layout, Role.DRAINER)
-            watch = Epoch(cfg, store, blob, slot.counters, 1.0)
+            promote = Repromoter(cfg, store, slot.counters, 1.0)
+            watch = Epoch(store, blob, promote, 1.0)
             try:
                 await watch.check()
                 first = blob.read()

@@ -54,6 +54,7 @@ from ankusa_shm.fleet.admission import (
 from ankusa_shm.fleet.epoch import Epoch
 from ankusa_shm.fleet.redis_client import ClusterClient
 from ankusa_shm.fleet.redis_store import RedisStore
+from ankusa_shm.fleet.repromote import Repromoter
 from ankusa_shm.hooks import Committed, NewHook, NotStored
 from ankusa_shm.shm import procs
 from ankusa_shm.shm.counters import Counter
@@ -532,7 +533,8 @@ def test_a_node_that_lost_its_data_alone_gets_this_hosts_hooks_again(
             await writer.close()
             store = RedisStore.from_config(cfg.fleet)
             slot = procs.claim(seg.view, seg.layout, procs.Role.DRAINER)
-            watch = Epoch(cfg, store, seg.blob("epoch"), slot.counters, 5.0)
+            promote = Repromoter(cfg, store, slot.counters, 5.0)
+            watch = Epoch(store, seg.blob("epoch"), promote, 5.0)
             try:
                 await watch.check()  # the values as they are
                 with lone.client() as r:

@@ -32,7 +32,7 @@ from ankusa_shm.config import Config, Source
 from ankusa_shm.fleet import redis_store
 from ankusa_shm.fleet.redis_client import REFUSED_HINT, RedisError, refused
 from ankusa_shm.fleet.redis_store import RedisStore, WritesRefused
-from ankusa_shm.fleet.settle import NO_TOKEN, Claim, Settler, Stored, stored_claims
+from ankusa_shm.fleet.settle import NO_TOKEN, Claim, Settler, stored_claims
 from ankusa_shm.hooks import CommitResult, Envelope
 from ankusa_shm.limits import Limit
 from ankusa_shm.shm.breaker import Breaker, Permit, Policy
@@ -43,6 +43,7 @@ from ankusa_shm.shm.histograms import Histogram, HistogramRow
 from ankusa_shm.shm.procs import ProcessSlot
 from ankusa_shm.shm.segment import Segment
 from ankusa_shm.shm.settle_queue import SettleQueue
+from ankusa_shm.store.readers import Claimed
 
 log = logging.getLogger("ankusa_shm.fleet")
 
@@ -165,7 +166,7 @@ class Fleet:
     def promote(self, claim: Claim | None, hook_id: str) -> None:
         self._settler.promote(claim, hook_id)
 
-    def repromote(self, hooks: list[Stored], wall_ms: int) -> int:
+    def repromote(self, hooks: list[Claimed], wall_ms: int) -> int:
         """Queue a promote for each hook this host stored that is still in its window
         (``stored_claims``): the recovery after a worker died between a commit and its
         settle, which would leave the claim pending and let a retry on another host store

@@ -93,8 +93,9 @@ class Drainer:
         self._memory: Memory | None = None  # the last answer to ``check_memory``
         self._memory_at = 0.0
         self._policy_warned_at: float | None = None
-        self._epoch = epoch.Epoch(cfg, store, seg.blob("epoch"), self._row, self._timeout_s)
-        self._drops = repromote.Drops(cfg, store, seg, self._row, self._timeout_s)
+        promote = repromote.Repromoter(cfg, store, self._row, self._timeout_s)
+        self._epoch = epoch.Epoch(store, seg.blob("epoch"), promote, self._timeout_s)
+        self._drops = repromote.Drops(cfg, seg, self._row, promote)
 
     def _now_ms(self) -> int:
         return self._clock() // 1_000_000

@@ -22,12 +22,10 @@ from __future__ import annotations
 import logging
 import time
 
-from ankusa_shm.config import Config
 from ankusa_shm.fleet import repromote
 from ankusa_shm.fleet.redis_client import RedisError
 from ankusa_shm.fleet.redis_store import RedisStore
 from ankusa_shm.shm.blob import Blob
-from ankusa_shm.shm.counters import CounterRow
 
 log = logging.getLogger("ankusa_shm.drainer")
 
@@ -36,15 +34,12 @@ CHECK_S = 1.0
 
 class Epoch:
     def __init__(
-        self, cfg: Config, store: RedisStore, blob: Blob, row: CounterRow, timeout_s: float
+        self, store: RedisStore, blob: Blob, promote: repromote.Repromoter, timeout_s: float
     ) -> None:
         self._store = store
         self._blob = blob
-        self._row = row
+        self._promote = promote
         self._timeout_s = timeout_s
-        self._path = cfg.store.path
-        self._dedupe = "dedupe" in cfg.fleet_kinds  # else no hook of this host has a key
-        self._window_ms = cfg.dedupe_window_s * 1000
 
     async def check(self, evicting: bool = False) -> None:
         """Read the epoch keys; if one changed, promote this host's window again. A server
@@ -81,12 +76,7 @@ class Epoch:
         self._blob.write(current)
 
     async def _promote_window(self) -> bool:
-        if not self._dedupe:
-            return True
-        since_ms = time.time_ns() // 1_000_000 - self._window_ms
-        sent = await repromote.promote_stored(
-            self._store, self._path, since_ms, self._row, self._timeout_s
-        )
+        sent = await self._promote.window()
         if sent is not None:
             log.info("promoted again %d hooks stored on this host", sent)
         return sent is not None

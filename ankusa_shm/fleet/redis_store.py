@@ -7,6 +7,8 @@ Keys (the tenant in braces is the Redis Cluster hash tag, so one hook's keys sha
                                              "c:<hook id>" committed, expires with the window
     {prefix}:epoch                           set once, without a TTL, by the first host to find
                                              it missing: a new value means the data is new
+    {prefix}:epoch:{<tag>}                   the same on a cluster, 64 of them, so that every
+                                             node holds some (``hash_slot.spread_tags``)
 
 Time is the Redis server's (``TIME`` inside the script), so hosts with skewed clocks still
 share one bucket. Scripts run by ``EVALSHA``: the client loads both on every connection and

@@ -45,44 +45,67 @@ PROMOTES_PER_S = 20_000
 SLACK_MS = 5_000
 
 
-async def promote_stored(
-    store: RedisStore, path: str | Path, since_wall_ms: int, row: CounterRow, timeout_s: float
-) -> int | None:
-    """Promote every keyed hook received since ``since_wall_ms`` and still in its dedupe
-    window, newest first (the likeliest to be sent again), ``PROMOTES_PER_CALL`` a call
-    and at most ``PROMOTES_PER_S``, counted in ``fleet_repromoted``. How many were sent;
-    None if the store could not be read or a call failed (said in the log), to be tried
-    again later."""
-    if not Path(path).exists():  # a first start whose workers have not created it yet
-        return 0
-    sent = 0
-    below: int | None = readers.NEWEST
-    while below is not None:
-        try:
-            hooks, below = await asyncio.to_thread(
-                readers.claimed_page, path, since_wall_ms, below, PAGE
-            )
-        except StoreError as e:
-            log.warning("cannot read the store to promote its hooks again: %s", e)
-            return None
+class Repromoter:
+    """Promotes this host's stored hooks again, straight to Redis: those received since a
+    moment, or its whole dedupe window. Where dedupe is not fleet scope no hook of this
+    host has a key in Redis, and nothing is sent."""
+
+    def __init__(self, cfg: Config, store: RedisStore, row: CounterRow, timeout_s: float) -> None:
+        self._store = store
+        self._row = row
+        self._timeout_s = timeout_s
+        self._path = cfg.store.path
+        self._dedupe = "dedupe" in cfg.fleet_kinds
+        self._window_ms = cfg.dedupe_window_s * 1000
+
+    async def window(self) -> int | None:
+        """``since`` the start of the longest dedupe window."""
+        return await self.since(time.time_ns() // 1_000_000 - self._window_ms)
+
+    async def since(self, since_wall_ms: int) -> int | None:
+        """Promote every keyed hook received since ``since_wall_ms`` and still in its dedupe
+        window, newest first (the likeliest to be sent again), ``PROMOTES_PER_CALL`` a call
+        and at most ``PROMOTES_PER_S``, counted in ``fleet_repromoted``. How many were
+        sent; None if the store could not be read or a call failed (said in the log), to be
+        tried again later."""
+        # No store yet: a first start whose workers have not created it.
+        if not self._dedupe or not Path(self._path).exists():
+            return 0
+        sent = 0
+        below: int | None = readers.NEWEST
+        while below is not None:
+            try:
+                hooks, below = await asyncio.to_thread(
+                    readers.claimed_page, self._path, since_wall_ms, below, PAGE
+                )
+            except StoreError as e:
+                log.warning("cannot read the store to promote its hooks again: %s", e)
+                return None
+            sent_now = await self._send(hooks, sent)
+            if sent_now is None:
+                return None
+            sent += sent_now
+        return sent
+
+    async def _send(self, hooks: list[readers.Claimed], sent: int) -> int | None:
+        """One page's promotes, paced; how many, or None if a call failed."""
         wall_ms = time.time_ns() // 1_000_000
         now_ms = time.monotonic_ns() // 1_000_000
         records = [
             Record(Op.PROMOTE, c.key, c.token, hook_id.encode(), c.ttl_ms, c.claimed_ms, now_ms)
-            for c, hook_id in stored_claims(hooks, wall_ms, store.dedupe_key)
+            for c, hook_id in stored_claims(hooks, wall_ms, self._store.dedupe_key)
         ]
         for i in range(0, len(records), PROMOTES_PER_CALL):
             part = records[i : i + PROMOTES_PER_CALL]
             began = time.monotonic()
             try:
-                await store.settle(part, now_ms, began + timeout_s)
+                await self._store.settle(part, now_ms, began + self._timeout_s)
             except (TimeoutError, RedisError) as e:
-                log.warning("promoting this host's hooks again stopped after %d: %s", sent, e)
+                log.warning("promoting this host's hooks again stopped after %d: %s", sent + i, e)
                 return None
-            row.add(Counter.REPROMOTED, len(part))
-            sent += len(part)
+            self._row.add(Counter.REPROMOTED, len(part))
             await asyncio.sleep(max(0.0, began + len(part) / PROMOTES_PER_S - time.monotonic()))
-    return sent
+        return len(records)
 
 
 class Drops:
@@ -98,17 +121,11 @@ class Drops:
     promotes that waited out a Redis outage included -- so there the whole dedupe window
     is promoted, once. On a first start that is an empty store."""
 
-    def __init__(
-        self, cfg: Config, store: RedisStore, seg: Segment, row: CounterRow, timeout_s: float
-    ) -> None:
-        self._store = store
+    def __init__(self, cfg: Config, seg: Segment, row: CounterRow, promote: Repromoter) -> None:
         self._seg = seg
         self._queue = SettleQueue(seg.view, seg.buf, seg.layout)
         self._row = row
-        self._timeout_s = timeout_s
-        self._path = cfg.store.path
-        self._dedupe = "dedupe" in cfg.fleet_kinds  # else no hook of this host has a key
-        self._window_ms = cfg.dedupe_window_s * 1000
+        self._promote = promote
         self._slack_ms = cfg.fleet.timeout_ms + cfg.store.lock_timeout_ms + SLACK_MS
 
     def unmended(self) -> int:
@@ -123,25 +140,28 @@ class Drops:
         wall_ms = time.time_ns() // 1_000_000
         mended_ms = self._queue.mended_ms()
         unmended = self.unmended()
-        if (unmended <= 0 and mended_ms) or not self._dedupe:
+        if unmended <= 0 and mended_ms:
             self._queue.set_mended_ms(wall_ms)
             return
         if not delivering:
             return
-        since_ms = mended_ms - self._slack_ms if mended_ms else wall_ms - self._window_ms
-        sent = await promote_stored(self._store, self._path, since_ms, self._row, self._timeout_s)
+        if mended_ms:
+            sent = await self._promote.since(mended_ms - self._slack_ms)
+            span = f"in the {(wall_ms - mended_ms + self._slack_ms) / 1000:.0f} s since"
+        else:
+            sent = await self._promote.window()
+            span = "in their dedupe window"
         if sent is None:
             return
-        if unmended > 0:
-            self._row.add(Counter.SETTLE_DROPS_RECOVERED, unmended)
         self._queue.set_mended_ms(wall_ms)
         if unmended > 0:
+            self._row.add(Counter.SETTLE_DROPS_RECOVERED, unmended)
             log.warning(
                 "the settle queue had dropped %d operations for want of room; promoted again"
-                " the %d hooks this host stored in the %.0f s since",
+                " the %d hooks this host stored %s",
                 unmended,
                 sent,
-                (wall_ms - since_ms) / 1000,
+                span,
             )
         elif sent:
             log.info(

@@ -20,6 +20,7 @@ from ankusa_shm.clock import Clock
 from ankusa_shm.hooks import AlreadyStored, CommitResult, Committed
 from ankusa_shm.shm.counters import Counter, CounterRow
 from ankusa_shm.shm.settle_queue import Op, Pushed, Record, RecordTooLarge, SettleQueue
+from ankusa_shm.store.readers import Claimed
 
 log = logging.getLogger("ankusa_shm.fleet")
 
@@ -49,13 +50,8 @@ class Claim:
     claimed_ms: int = UNKNOWN
 
 
-Stored = tuple[str, str, bytes, str, int]
-"""A hook this host stored, as the store lists it for a recovery (``claimed_since``):
-tenant, source, event key, hook id, and when its dedupe index row expires (wall ms)."""
-
-
 def stored_claims(
-    hooks: Sequence[Stored], wall_ms: int, key_of: Callable[[str, str, bytes], bytes]
+    hooks: Sequence[Claimed], wall_ms: int, key_of: Callable[[str, str, bytes], bytes]
 ) -> list[tuple[Claim, str]]:
     """The claim to promote each hook under, with its id, for those still in their dedupe
     window: what a recovery sends again. A promote needs no token and never overwrites

@@ -15,7 +15,8 @@ line prefetcher never makes two regions or two writers share a line):
     overrides    a blob: JSON {tenant: [rate, burst]}, the tenant limits set at run time
     epoch        a blob: the fleet store's epoch keys as the drainer last read them
     breaker      one packed state word; 32 time buckets of the sliding call window
-    degraded     per kind (rate_limit, dedupe): a flag word and a last-warned word
+    degraded     per kind (rate_limit, dedupe): a flag word, when it was last warned
+                 about, when a call last failed, whether an outage line stands
     processes    one 128-byte slot per process: header word, start time, heartbeat,
                  the slot's request count when it was claimed
     counters     one padded row of counters per process slot, summed on read
@@ -36,8 +37,8 @@ Who writes what. The supervisor writes the header, config and sources, and overr
 start; after that the admin process alone writes overrides, and the drainer alone writes
 epoch. Any process that claims a process slot writes that slot and adds to its counter
 row, the breaker, the degraded flags, the GCRA table and the queue's enqueue side. Only
-the drainer (the queue's single consumer, named by its pid) advances the dequeue side.
-Readers write nothing.
+the drainer (the queue's single consumer, named by its pid) advances the dequeue side and
+writes ``Q_MENDED_MS``. Readers write nothing.
 
 Memory ordering. Every word is a naturally aligned signed 64-bit integer touched only
 through ``_atomics`` (sequentially consistent load/store/fetch-add/compare-and-swap). Byte

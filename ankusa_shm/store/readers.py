@@ -59,6 +59,10 @@ class StoredHook:
         return doc
 
 
+Claimed = tuple[str, str, bytes, str, int]
+"""A keyed hook that holds its key in the dedupe index, as ``claimed_since`` lists it:
+tenant, source, event key, hook id, and when its index row expires (wall ms)."""
+
 _RECENT_PAGE = 1_000
 NEWEST = 1 << 62  # a seq above every hook's: ``claimed_page`` from the latest
 _CLAIMED = (
@@ -138,14 +142,12 @@ class Reader:
         docs = [head[:-1] + _doc_tail(key, body) for _, head, key, body in rows]
         return docs, rows[-1][0] if rows else after_seq
 
-    def claimed_since(
-        self, received_ms: int, limit: int = 1 << 62
-    ) -> list[tuple[str, str, bytes, str, int]]:
+    def claimed_since(self, received_ms: int, limit: int = 1 << 62) -> list[Claimed]:
         """(tenant, source, event key, hook id, expires_ms) of every hook received at or
         after ``received_ms`` that holds its key in the dedupe index, the newest ``limit``
         of them: what a crashed worker may have committed without settling. Read from the
         newest back, a page at a time, so it costs what is that recent, not the table."""
-        out: list[tuple[str, str, bytes, str, int]] = []
+        out: list[Claimed] = []
         below: int | None = NEWEST
         while below is not None and len(out) < limit:
             page, below = self.claimed_page(received_ms, below, min(_RECENT_PAGE, limit - len(out)))
@@ -154,12 +156,12 @@ class Reader:
 
     def claimed_page(
         self, received_ms: int, below: int, limit: int
-    ) -> tuple[list[tuple[str, str, bytes, str, int]], int | None]:
+    ) -> tuple[list[Claimed], int | None]:
         """Up to ``limit`` of ``claimed_since``'s hooks, the newest committed before seq
         ``below`` first; and the ``below`` to read on from, None once there are no more.
         ``NEWEST`` starts from the latest."""
         rows = self._rows(_CLAIMED, [below, limit])
-        out: list[tuple[str, str, bytes, str, int]] = []
+        out: list[Claimed] = []
         for seq, received, tenant, source, key, hook_id, expires in rows:
             if received < received_ms:
                 return out, None
@@ -275,16 +277,14 @@ def get(path: str | Path, hook_id: str) -> StoredHook | None:
     return _once(path, lambda r: r.get(hook_id))
 
 
-def claimed_since(
-    path: str | Path, received_ms: int, limit: int = 1 << 62
-) -> list[tuple[str, str, bytes, str, int]]:
+def claimed_since(path: str | Path, received_ms: int, limit: int = 1 << 62) -> list[Claimed]:
     """``Reader.claimed_since`` on a reader of its own."""
     return _once(path, lambda r: r.claimed_since(received_ms, limit))
 
 
 def claimed_page(
     path: str | Path, received_ms: int, below: int, limit: int
-) -> tuple[list[tuple[str, str, bytes, str, int]], int | None]:
+) -> tuple[list[Claimed], int | None]:
     """``Reader.claimed_page`` on a reader of its own."""
     return _once(path, lambda r: r.claimed_page(received_ms, below, limit))
 
