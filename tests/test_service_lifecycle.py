@@ -32,6 +32,7 @@ from ankusa_shm.shm import segment as segmod
 from ankusa_shm.shm.counters import Counter, totals
 from ankusa_shm.shm.procs import NoFreeSlot, Role
 from ankusa_shm.shm.segment import Segment
+from ankusa_shm.shm.settle_queue import SettleQueue
 from ankusa_shm.store import readers
 
 NODE = "[rate_limits]\ndefault = { rate = 100000, burst = 100000 }\n" + GITHUB_SOURCE
@@ -72,6 +73,18 @@ def wait_until(check: object, timeout: float = 15.0, what: str = "") -> None:
 def counter(svc: Service, c: Counter) -> int:
     with Segment.attach(svc.segment, readonly=True) as seg:
         return totals(seg.view, seg.layout)[c]
+
+
+def drainer_looked(svc: Service) -> None:
+    """Wait for the drainer's next look at the epoch and the drops: it moves the queue's
+    mended moment on after both (while no drop is left to make good)."""
+    now_ms = time.time_ns() // 1_000_000
+
+    def looked() -> bool:
+        with Segment.attach(svc.segment, readonly=True) as seg:
+            return SettleQueue(seg.view, seg.buf, seg.layout).mended_ms() >= now_ms
+
+    wait_until(looked, what="the drainer's next look")
 
 
 def test_ready_and_watchdog_reach_the_notify_socket(make: list[Service], tmp_path: Path) -> None:
@@ -335,7 +348,7 @@ def test_a_redis_that_lost_its_data_gets_this_hosts_hooks_again(
         return r.mget(keys) == [f"c:{h}".encode() for h in accepted.values()]
 
     wait_until(all_committed, what="every stored hook promoted")
-    time.sleep(1.5)  # the drainer has read the epoch
+    drainer_looked(svc)  # it has read the epoch
     if loss == "restart":
         redis_server.kill()
         redis_server.start()
@@ -355,10 +368,11 @@ def test_the_epoch_a_drainer_read_is_kept_for_the_next_one(
     """The epoch last read is kept in the segment: a new drainer on a Redis that kept its
     data promotes nothing again, and one on a Redis flushed while no drainer ran does."""
     svc = service(make, tmp_path, fleet_config(redis_server)).start()
+    drainer_looked(svc)  # the new segment's whole window promoted (none), before the hook
     body = b'{"n": 1}'
     headers = signed(body)
     hook_id = svc.post("github", body, headers).body["id"]
-    time.sleep(1.5)  # the drainer has read the epoch
+    drainer_looked(svc)  # it has read the epoch
 
     def respawned(old: int) -> None:
         wait_until(lambda: svc.pids("drainer") not in ([], [old]), what="a new drainer")
@@ -397,7 +411,7 @@ def test_promotes_a_full_settle_queue_dropped_are_made_good(
         make, tmp_path, fleet_config(redis_server, "settle_queue_size = 16\n" + quick_breaker)
     ).start()
     (drainer,) = svc.pids("drainer")
-    time.sleep(1.5)  # it has looked once: no drops, as of then
+    drainer_looked(svc)  # no drops, as of then
     held = redis_server.pid if stalled == "redis" else drainer
     os.kill(held, signal.SIGSTOP)
     try:
