@@ -147,6 +147,21 @@ def test_routing_errors(svc: Service) -> None:
     c.close()
 
 
+def test_an_absolute_form_target_is_served_as_its_path(svc: Service) -> None:
+    """RFC 9112 3.2.2: a server accepts ``POST http://host/path``, as if sent to the path."""
+    body = b'{"n":"absolute"}'
+    fields = "".join(f"{k}: {v}\r\n" for k, v in signed(body, "delivery-abs").items())
+    head = f"content-length: {len(body)}\r\nconnection: close\r\n{fields}\r\n"
+    target = "HTTP://edge.example:8080/hooks/github?x=1"
+    out = raw(svc, f"POST {target} HTTP/1.1\r\nhost: edge.example\r\n{head}".encode() + body)
+    assert out.startswith(b"HTTP/1.1 201 "), out
+    hook = readers.get(svc.store_path, json.loads(out.partition(b"\r\n\r\n")[2])["id"])
+    assert hook is not None and hook.body == body
+    ftp = f"POST ftp://edge.example/hooks/github HTTP/1.1\r\nhost: x\r\n{head}"
+    out = raw(svc, ftp.encode() + body)
+    assert out.startswith(b"HTTP/1.1 404 "), out
+
+
 def test_an_oversized_body_is_refused_before_it_is_read(svc: Service) -> None:
     with socket.create_connection(("127.0.0.1", svc.port), timeout=5) as s:
         # Announce far more than max_body_bytes and send none of it: the answer comes now.

@@ -107,6 +107,16 @@ class _Reject(Exception):
         self.error = error
 
 
+def _origin_path(target: bytes) -> bytes:
+    """The path of an absolute-form target (``http://host/path``), which a server must
+    accept (RFC 9112 3.2.2) though few clients send it but to a proxy; any other target
+    is left as it is, to be found nowhere."""
+    scheme, sep, rest = target.partition(b"://")
+    if not sep or scheme.lower() not in (b"http", b"https"):
+        return target
+    return b"/" + rest.partition(b"/")[2]
+
+
 def _check_coding(coding: str) -> None:
     """Chunked is the only transfer coding we decode: another one is 501 (RFC 9112 6.1),
     not a body stored still coded; when chunked is not the last, the body's length cannot
@@ -324,6 +334,8 @@ class Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         path, _, query = self._url.partition(b"?")
+        if path[:1] != b"/":
+            path = _origin_path(path)
         body = b"".join(self._body)
         req = Request(self._parser.get_method(), path, self._headers, body, query, self._started_ns)
         self._in_request = False
