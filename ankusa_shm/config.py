@@ -143,7 +143,10 @@ class Server:
         30.0, "On SIGTERM, how long in-flight work may take before it is killed.", between(0, 3_600)
     )
     heartbeat_timeout_s: float = setting(
-        10.0, "A child whose event loop is silent this long is restarted.", between(1, 3_600)
+        10.0,
+        "A child whose event loop is silent this long is restarted. It writes a heartbeat a"
+        " second: at least 3, so a turn of the loop that runs late is not taken for silence.",
+        between(3, 3_600),
     )
     backlog: int = setting(2_048, "Listen backlog of each address.", between(1, 65_535))
     max_connections: int = setting(

@@ -190,6 +190,16 @@ class Service:
     def pids(self, role: str) -> list[int]:
         return sorted(p.pid for p in self.children() if p.role == role)
 
+    def one(self, role: str, timeout: float = 15.0) -> int:
+        """The one process of ``role``, once it holds its slot: READY=1 waits for the
+        workers, not for the drainer or the admin process to claim theirs."""
+        deadline = time.monotonic() + timeout
+        while len(found := self.pids(role)) != 1:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no one {role} within {timeout} s: {found}")
+            time.sleep(0.05)
+        return found[0]
+
     # -- HTTP -------------------------------------------------------------------------
 
     def connection(self, timeout: float = 10.0) -> http.client.HTTPConnection:

@@ -293,7 +293,7 @@ def test_an_override_reaches_every_worker_and_outlives_a_restart(
         {"tenant": "demo", "rate": 1000, "burst": 1000, "source": "default"},
     )
     assert admin_json(svc, "DELETE", path) == (404, {"error": "no_override"})
-    time.sleep(0.6)  # the workers poll the published set four times a second
+    time.sleep(1.0)  # the same promise: within a second
     assert burst_from_fresh_connections(svc, 6) == [201] * 6
 
 
@@ -423,7 +423,7 @@ def test_consumers_page_ack_resume_after_a_restart_and_long_poll(
     assert status == 200 and [h["id"] for h in page["hooks"]] == [answer.body["id"]]
     latency = got["at"] - committed_at
     print(f"long-poll answered {latency * 1000:.1f} ms after the 201")
-    assert got["waited"] >= 0.5 and latency <= 0.5
+    assert got["waited"] >= 0.5 and latency <= 1.0  # woken by the commit, not its 5 s
 
     t0 = time.monotonic()
     status, page = admin_json(svc, "GET", f"/v1/hooks?after={page['cursor']}&wait=0.3")
@@ -436,8 +436,8 @@ def test_consumers_page_ack_resume_after_a_restart_and_long_poll(
     time.sleep(0.3)
     t0 = time.monotonic()
     assert svc.stop() == 0
-    waiter.join(5)
-    assert time.monotonic() - t0 < 1.5
+    waiter.join(10)
+    assert time.monotonic() - t0 < 10  # not held for the poll's 30 s
     assert got["answer"] == (200, {"hooks": [], "cursor": page["cursor"]})
 
 
@@ -532,7 +532,7 @@ def test_a_waiting_consumer_costs_the_admin_process_no_polling(svc_once: Service
     """The long-poll sleeps on the commit word: loading it every 5 ms instead woke the
     admin process about 200 times a second for one waiting consumer (a soak measured 201
     wakeups/s against 5.8 with none waiting)."""
-    (admin,) = svc_once.pids("admin")
+    admin = svc_once.one("admin")
     status, page = admin_json(svc_once, "GET", "/v1/hooks?limit=1000")
     assert status == 200
     got: dict[str, Any] = {}

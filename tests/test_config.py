@@ -175,6 +175,8 @@ def test_wrong_type_names_the_key(tmp_path: Path, text: str, key: str) -> None:
         ("[fleet]\ntimeout_ms = 0\n", "fleet.timeout_ms"),
         ("[rate_limits]\ndefault = { rate = 1, burst = 0 }\n", "rate_limits.default.burst"),
         ('[server]\nsegment = ".."\n', "server.segment"),  # a POSIX name it cannot be
+        # one heartbeat a second: a timeout of 1 aborts a healthy worker whose turn is late
+        ("[server]\nheartbeat_timeout_s = 1\n", "server.heartbeat_timeout_s"),
     ],
 )
 def test_out_of_range_names_the_key(tmp_path: Path, text: str, key: str) -> None:

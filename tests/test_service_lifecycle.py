@@ -39,11 +39,13 @@ NODE = "[rate_limits]\ndefault = { rate = 100000, burst = 100000 }\n" + GITHUB_S
 ENV = {"GH_SECRET": SECRET}
 
 
-def fleet_config(redis: RedisServer, extra: str = "") -> str:
+def fleet_config(redis: RedisServer, extra: str = "", timeout_ms: int = 200) -> str:
+    """Both scopes fleet. A budget of 200 ms lets a stalled Redis show soon; a test that
+    counts on every call being answered gives more, for a loaded machine."""
     return (
         '[rate_limits]\nscope = "fleet"\ndefault = { rate = 100000, burst = 100000 }\n'
         '[dedupe]\nscope = "fleet"\n'
-        f'[fleet]\nredis_url = "{redis.url}"\ntimeout_ms = 200\n{extra}' + GITHUB_SOURCE
+        f'[fleet]\nredis_url = "{redis.url}"\ntimeout_ms = {timeout_ms}\n{extra}' + GITHUB_SOURCE
     )
 
 
@@ -198,9 +200,9 @@ def test_term_answers_a_request_begun_and_a_connection_just_taken(
     half = socket.create_connection(("127.0.0.1", svc.port), timeout=30)
     fresh = socket.create_connection(("127.0.0.1", svc.port), timeout=30)
     half.sendall(_request_head(body))  # the body is still to come
-    time.sleep(0.3)  # both are a worker's connections by now
+    wait_until(lambda: accept_queue(svc.port) == 0, what="both a worker's connections")
     svc.send(signal.SIGTERM)
-    time.sleep(0.3)  # the workers are draining
+    wait_until(lambda: listening_sockets(svc.port) == 0, what="the workers draining")
     half.sendall(body)
     fresh.sendall(_request_head(body) + body)
     for sock in (half, fresh):
@@ -223,8 +225,8 @@ def test_int_after_term_cuts_a_graceful_stop_short(make: list[Service], tmp_path
     started = time.monotonic()
     svc.send(signal.SIGINT)
     assert svc.proc is not None and svc.proc.wait(30) == 0
-    assert time.monotonic() - started < 1.5  # the supervisor kills at 2 s
-    assert "SIGKILL" not in svc.log()
+    assert time.monotonic() - started < 10  # long before the graceful timeout's 30 s
+    assert "SIGKILL" not in svc.log()  # stopped, not killed 2 s after the SIGINT
     assert "cut short" in svc.log()
     stuck.close()
 
@@ -254,7 +256,7 @@ def test_a_killed_supervisor_restarts_on_its_segment_and_loses_nothing_queued(
     make: list[Service], tmp_path: Path, redis_server: RedisServer
 ) -> None:
     svc = service(make, tmp_path, fleet_config(redis_server)).start()
-    (drainer,) = svc.pids("drainer")
+    drainer = svc.one("drainer")
     os.kill(drainer, signal.SIGSTOP)  # settlements pile up in the segment's queue
     with Load(svc.port, threads=4) as load:
         time.sleep(1.5)
@@ -298,7 +300,7 @@ def test_a_host_that_lost_its_segment_promotes_again_what_it_had_queued(
     once they expired, a resend to another host was stored again. All of it, however
     small the settle queue (16 here): it is promoted straight to Redis."""
     svc = service(make, tmp_path, fleet_config(redis_server, "settle_queue_size = 16\n")).start()
-    (drainer,) = svc.pids("drainer")
+    drainer = svc.one("drainer")
     os.kill(drainer, signal.SIGSTOP)
     with Load(svc.port, threads=2) as load:
         time.sleep(1.0)
@@ -322,7 +324,9 @@ def test_a_host_that_lost_its_segment_promotes_again_what_it_had_queued(
         lambda: all(claim(d) == f"c:{h}".encode() for d, h in accepted.items()),
         what="every stored hook promoted",
     )
-    found = re.search(r"a new segment .*: promoted again the (\d+) hooks", svc.log())
+    line = r"a new segment .*: promoted again the (\d+) hooks"
+    wait_until(lambda: re.search(line, svc.log()), what="the drainer's word for it")
+    found = re.search(line, svc.log())
     assert found is not None and int(found.group(1)) >= len(accepted)
     assert svc.stop() == 0
 
@@ -349,16 +353,21 @@ def test_a_redis_that_lost_its_data_gets_this_hosts_hooks_again(
 
     wait_until(all_committed, what="every stored hook promoted")
     drainer_looked(svc)  # it has read the epoch
+    drainer = svc.one("drainer")
+    os.kill(drainer, signal.SIGSTOP)  # so that nothing is promoted before the count below
     if loss == "restart":
         redis_server.kill()
         redis_server.start()
         r = redis_server.client()
     else:
         r.flushall()
-    assert r.dbsize() <= 1
+    assert r.dbsize() == 0
+    os.kill(drainer, signal.SIGCONT)
     wait_until(all_committed, what="every stored hook promoted again")
+    wait_until(  # counted once Redis has answered the drainer
+        lambda: counter(svc, Counter.REPROMOTED) >= len(accepted), what="the promotes counted"
+    )
     assert "the fleet store lost its data" in svc.log()
-    assert counter(svc, Counter.REPROMOTED) >= len(accepted)
     assert svc.stop() == 0
 
 
@@ -377,14 +386,14 @@ def test_the_epoch_a_drainer_read_is_kept_for_the_next_one(
     def respawned(old: int) -> None:
         wait_until(lambda: svc.pids("drainer") not in ([], [old]), what="a new drainer")
 
-    (drainer,) = svc.pids("drainer")
+    drainer = svc.one("drainer")
     os.kill(drainer, signal.SIGKILL)
     respawned(drainer)
     time.sleep(2.5)
     assert counter(svc, Counter.REPROMOTED) == 0
     assert "lost its data" not in svc.log()
 
-    (drainer,) = svc.pids("drainer")
+    drainer = svc.one("drainer")
     os.kill(drainer, signal.SIGSTOP)
     r = redis_server.client()
     r.flushall()
@@ -392,6 +401,7 @@ def test_the_epoch_a_drainer_read_is_kept_for_the_next_one(
     respawned(drainer)
     key = f"ankusa:{{acme}}:dd:github:{headers['x-github-delivery']}"
     wait_until(lambda: r.get(key) == f"c:{hook_id}".encode(), what="the hook promoted again")
+    wait_until(lambda: counter(svc, Counter.REPROMOTED) >= 1, what="the promote counted")
     assert counter(svc, Counter.REPROMOTED) == 1
     assert svc.stop() == 0
 
@@ -410,7 +420,7 @@ def test_promotes_a_full_settle_queue_dropped_are_made_good(
     svc = service(
         make, tmp_path, fleet_config(redis_server, "settle_queue_size = 16\n" + quick_breaker)
     ).start()
-    (drainer,) = svc.pids("drainer")
+    drainer = svc.one("drainer")
     drainer_looked(svc)  # no drops, as of then
     held = redis_server.pid if stalled == "redis" else drainer
     os.kill(held, signal.SIGSTOP)
@@ -500,7 +510,7 @@ def test_two_services_started_together_on_a_dead_owners_segment_one_wins(
 
 
 def test_a_silent_worker_is_aborted_and_replaced(make: list[Service], tmp_path: Path) -> None:
-    svc = service(make, tmp_path, server={"heartbeat_timeout_s": 1.5}).start()
+    svc = service(make, tmp_path, server={"heartbeat_timeout_s": 3.0}).start()
     frozen = svc.pids("worker")[0]
     os.kill(frozen, signal.SIGSTOP)
     wait_until(lambda: frozen not in svc.pids("worker"), timeout=15, what="frozen one gone")
@@ -580,6 +590,13 @@ def listening_sockets(port: int) -> int:
     return sum(1 for r in rows if r.split()[1].endswith(f":{port:04X}") and r.split()[3] == "0A")
 
 
+def accept_queue(port: int) -> int:
+    """Connections waiting in the LISTEN sockets on ``port`` for a worker to accept them."""
+    rows = [r.split() for r in Path("/proc/net/tcp").read_text().splitlines()[1:]]
+    listeners = [r for r in rows if r[1].endswith(f":{port:04X}") and r[3] == "0A"]
+    return sum(int(r[4].split(":")[1], 16) for r in listeners)
+
+
 def listen_backlogs(port: int) -> list[int]:
     """The backlog of each LISTEN socket on ``port`` (``ss``'s Send-Q for a listener)."""
     out = subprocess.run(
@@ -619,7 +636,8 @@ def test_two_hosts_sharing_redis_store_an_event_once(
     make: list[Service], tmp_path: Path, redis_server: RedisServer
 ) -> None:
     hosts = [
-        service(make, tmp_path / f"host{i}", fleet_config(redis_server)).start() for i in (0, 1)
+        service(make, tmp_path / f"host{i}", fleet_config(redis_server, timeout_ms=2000)).start()
+        for i in (0, 1)
     ]
     deliveries = [f"both-{i}" for i in range(40)]
     results: dict[tuple[int, str], int] = {}
@@ -656,7 +674,9 @@ def test_a_full_redis_still_stops_a_resend_to_another_host(
     duplicate of host 0's hook. Once Redis has room, host 1's hooks are promoted."""
     quick_breaker = "breaker_min_calls = 4\n"
     hosts = [
-        service(make, tmp_path / f"host{i}", fleet_config(redis_server, quick_breaker)).start()
+        service(
+            make, tmp_path / f"host{i}", fleet_config(redis_server, quick_breaker, 2000)
+        ).start()
         for i in (0, 1)
     ]
     body = b'{"event": "once"}'
@@ -908,8 +928,8 @@ def test_ttin_is_refused_when_no_process_slot_is_free(make: list[Service], tmp_p
                 with contextlib.suppress(NoFreeSlot):
                     taken.append(procs.claim(seg.view, seg.layout, Role.TOOL, index=i))
             svc.send(signal.SIGTTIN)
-            time.sleep(1.5)
-            assert "TTIN refused" in svc.log()
+            wait_until(lambda: "TTIN refused" in svc.log(), what="the TTIN refused")
+            time.sleep(1.0)  # and no respawn loop after it
             assert "Traceback" not in svc.log()
             assert svc.log().count("worker ") < 10, svc.log()  # no respawn loop
             assert len(svc.pids("worker")) == 2
@@ -936,7 +956,7 @@ def test_process_titles_with_a_notify_socket(make: list[Service], tmp_path: Path
     assert title(svc.pid) == f"ankusa-shm: supervisor [{name}]"
     for pid in svc.pids("worker"):
         assert title(pid) == f"ankusa-shm: worker [{name}]"
-    (admin,) = svc.pids("admin")
+    admin = svc.one("admin")
     assert title(admin) == f"ankusa-shm: admin [{name}]"
 
 
@@ -966,7 +986,7 @@ def test_a_stale_slot_naming_a_workers_pid_does_not_get_it_aborted(
 ) -> None:
     """A slot left by a dead process whose pid the kernel gave to a worker since: its
     minute-old heartbeat is not the worker's."""
-    svc = service(make, tmp_path, server={"heartbeat_timeout_s": 1.0}).start()
+    svc = service(make, tmp_path, server={"heartbeat_timeout_s": 3.0}).start()
     worker = svc.pids("worker")[0]
     with Segment.attach(svc.segment) as seg:
         last = seg.layout.params.process_slots - 1  # read after the worker's own slot
@@ -980,7 +1000,7 @@ def test_a_stale_slot_naming_a_workers_pid_does_not_get_it_aborted(
             | worker
         )
         seg.view.store(base + L.PS_HEADER, header)
-    time.sleep(3.0)
+    time.sleep(5.0)  # the supervisor looks every second: the stale slot is 60 s quiet
     assert f"worker {worker} silent for" not in svc.log()
     assert worker in svc.pids("worker")
 

@@ -37,7 +37,7 @@ STALL_S = 1.5  # longer than the pending TTL, the budget and the drainer's patie
 
 
 def stall_config(server: RedisServer, seg_name: str) -> Config:
-    return fleet_config(server.url, seg_name, timeout_ms=50, pending_ttl_ms=PENDING_TTL_MS)
+    return fleet_config(server.url, seg_name, timeout_ms=200, pending_ttl_ms=PENDING_TTL_MS)
 
 
 def claim_of(answer: Admitted) -> Claim:
