@@ -33,7 +33,7 @@ from ankusa_shm.shm.counters import Counter, totals
 from ankusa_shm.shm.procs import NoFreeSlot, Role
 from ankusa_shm.shm.segment import Segment
 from ankusa_shm.shm.settle_queue import SettleQueue
-from ankusa_shm.store import readers
+from ankusa_shm.store import readers, settled
 
 NODE = "[rate_limits]\ndefault = { rate = 100000, burst = 100000 }\n" + GITHUB_SOURCE
 ENV = {"GH_SECRET": SECRET}
@@ -404,6 +404,101 @@ def test_the_epoch_a_drainer_read_is_kept_for_the_next_one(
     wait_until(lambda: counter(svc, Counter.REPROMOTED) >= 1, what="the promote counted")
     assert counter(svc, Counter.REPROMOTED) == 1
     assert svc.stop() == 0
+
+
+def _stored_and_settled(svc: Service, redis_server: RedisServer) -> dict[str, str]:
+    """A second of load, then every accepted hook committed in Redis and the drainer's
+    look after: the epoch read, a new segment's promotes all sent."""
+    with Load(svc.port, threads=2) as load:
+        time.sleep(1.0)
+    accepted = dict(load.tally.accepted)
+    assert len(accepted) > 20
+    r = redis_server.client()
+    keys = [f"ankusa:{{acme}}:dd:github:{d}" for d in accepted]
+    committed = [f"c:{h}".encode() for h in accepted.values()]
+    wait_until(lambda: r.mget(keys) == committed, what="every stored hook promoted")
+    drainer_looked(svc)
+    return accepted
+
+
+def test_a_clean_stop_spares_the_next_start_what_it_settled(
+    make: list[Service], tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A graceful stop that leaves every hook settled in Redis keeps that in the store. A
+    restart on the same segment then owes no crash recovery, and a start on a new one (a
+    reboot, an upgrade) promotes again only the hooks stored since -- where it promoted
+    the whole dedupe window, minutes of Redis writes on a big store."""
+    svc = service(make, tmp_path, fleet_config(redis_server)).start()
+    _stored_and_settled(svc, redis_server)
+    assert svc.stop() == 0
+    mark = settled.read(svc.store_path)
+    assert mark is not None and mark.seq == readers.count(svc.store_path)
+
+    seen = len(svc.log())
+    svc.start()  # on the same segment
+    assert "the last stop left every hook settled: no recovery owed" in svc.log()[seen:]
+    body = b'{"after": "the mark"}'
+    after = svc.post("github", body, signed(body, "after-the-mark"))
+    assert after.status == 201
+    r = redis_server.client()
+    key = "ankusa:{acme}:dd:github:after-the-mark"
+    wait_until(lambda: r.get(key) == f"c:{after.body['id']}".encode(), what="it promoted")
+    drainer_looked(svc)
+    svc.send(signal.SIGKILL)  # so its mark is not moved on past the hook
+    assert svc.proc is not None and svc.proc.wait(10) == -signal.SIGKILL
+    wait_until(lambda: not svc.children(), what="the children gone with their supervisor")
+    segmod.unlink(svc.segment)  # as a reboot does
+    r.delete(key)  # as if its promote had been in the segment's queue
+
+    seen = len(svc.log())
+    svc.start()
+    wait_until(lambda: r.get(key) == f"c:{after.body['id']}".encode(), what="promoted again")
+    wait_until(lambda: counter(svc, Counter.REPROMOTED) >= 1, what="the promote counted")
+    drainer_looked(svc)
+    assert counter(svc, Counter.REPROMOTED) == 1  # the hook after the mark, none before it
+    assert "promoted again the 1 hooks this host stored since its last stop" in svc.log()[seen:]
+    assert svc.stop() == 0
+
+
+def test_a_redis_emptied_while_the_host_was_down_is_seen_on_a_new_segment(
+    make: list[Service], tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A power cut takes the host and a Redis without persistence: after a clean stop,
+    Redis comes back empty and the host on a new segment. The epoch kept with the mark
+    tells the drainer Redis lost its data, and the whole window is promoted again; without
+    it the first epoch check would only have read the new value."""
+    svc = service(make, tmp_path, fleet_config(redis_server)).start()
+    accepted = _stored_and_settled(svc, redis_server)
+    assert svc.stop() == 0
+    assert settled.read(svc.store_path) is not None
+    redis_server.kill()
+    redis_server.start()
+    r = redis_server.client()
+    segmod.unlink(svc.segment)
+    svc.start()
+    keys = [f"ankusa:{{acme}}:dd:github:{d}" for d in accepted]
+    committed = [f"c:{h}".encode() for h in accepted.values()]
+    wait_until(lambda: r.mget(keys) == committed, what="every stored hook promoted again")
+    assert "the fleet store lost its data" in svc.log()
+    assert svc.stop() == 0
+
+
+def test_a_stop_with_a_worker_killed_on_the_way_leaves_no_mark(
+    make: list[Service], tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A worker killed during the run owes a crash recovery, which reads at most half a
+    queue: such a run, however it stops, keeps no mark, and a new segment after it
+    promotes the whole window."""
+    svc = service(make, tmp_path, fleet_config(redis_server)).start()
+    _stored_and_settled(svc, redis_server)
+    victim = svc.pids("worker")[0]
+    os.kill(victim, signal.SIGKILL)
+    wait_until(
+        lambda: len(svc.pids("worker")) == 2 and victim not in svc.pids("worker"),
+        what="a new worker in the killed one's place",
+    )
+    assert svc.stop() == 0
+    assert settled.read(svc.store_path) is None
 
 
 @pytest.mark.parametrize("stalled", ["redis", "drainer", "drainer-killed"])

@@ -25,7 +25,7 @@ from test_store import T0, Child, FakeWall, hook, run, started, store_cfg
 from ankusa_shm import config
 from ankusa_shm.config import ConfigError
 from ankusa_shm.hooks import Committed, NewHook
-from ankusa_shm.store import readers, schema
+from ankusa_shm.store import readers, schema, settled
 from ankusa_shm.store.control import Control
 from ankusa_shm.store.lock import WriteLock
 from ankusa_shm.store.schema import StoreError
@@ -117,7 +117,7 @@ def test_v1_file_is_migrated_in_place_with_its_hooks(tmp_path: Path) -> None:
 
     new = hook(b"after")
     assert commit_all(cfg, [new]) == [4]  # the writer's boot migrated the file
-    assert user_version(cfg.path) == schema.VERSION == 2
+    assert user_version(cfg.path) == schema.VERSION == 3
     got = readers.page(cfg.path, 0, 10)
     assert [(h.seq, h.id, h.event_key, h.body) for h in got] == [
         *((i + 1, h.id, h.event_key, h.body) for i, h in enumerate(old)),
@@ -126,11 +126,34 @@ def test_v1_file_is_migrated_in_place_with_its_hooks(tmp_path: Path) -> None:
     with control(cfg) as c:
         assert c.ack("billing", 4) == 4
     assert readers.consumers(cfg.path) == {"billing": 4}
+    assert settled.read(cfg.path) is None  # a table for it, and nothing in it yet
+    settled.write(cfg.path, 1_700_000_000_000, 42, {"ankusa:epoch": "ab12"}, 1_000)
+    mark = settled.read(cfg.path)
+    assert mark is not None and (mark.seq, mark.at_ms, mark.mono_ms) == (4, 1_700_000_000_000, 42)
+    assert mark.epoch == {"ankusa:epoch": "ab12"} and mark.boot == settled.boot_id()
 
     fresh = store_cfg(tmp_path / "fresh")
     with control(fresh) as c:
         c.probe()
     assert table_sql(fresh.path) == table_sql(cfg.path)  # the same tables either way
+
+
+def test_no_settled_mark_where_there_is_none_to_read(tmp_path: Path) -> None:
+    """No file, a store of an older version (no table), a mark that is not ours: none, so
+    the next start on a new segment promotes the whole window, as before marks."""
+    assert settled.read(tmp_path / "missing.db") is None
+    old = tmp_path / "v1.db"
+    conn = sqlite3.connect(old, isolation_level=None)
+    conn.executescript(V1_SCHEMA)
+    conn.close()
+    assert settled.read(old) is None
+    cfg = store_cfg(tmp_path)
+    with control(cfg) as c:
+        c.probe()
+    conn = sqlite3.connect(cfg.path, isolation_level=None)
+    conn.execute("INSERT INTO marks (key, value) VALUES ('settled', '{\"seq\": \"x\"}')")
+    conn.close()
+    assert settled.read(cfg.path) is None
 
 
 def test_a_newer_file_is_still_refused(tmp_path: Path) -> None:
@@ -139,7 +162,8 @@ def test_a_newer_file_is_still_refused(tmp_path: Path) -> None:
     conn.execute(f"PRAGMA application_id = {schema.APPLICATION_ID}")
     conn.execute(f"PRAGMA user_version = {schema.VERSION + 1}")
     conn.close()
-    with control(config.Store(path=str(db))) as c, pytest.raises(StoreError, match="version 3"):
+    newer = f"store version {schema.VERSION + 1}"
+    with control(config.Store(path=str(db))) as c, pytest.raises(StoreError, match=newer):
         c.probe()
     assert user_version(str(db)) == schema.VERSION + 1
 

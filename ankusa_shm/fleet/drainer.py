@@ -54,6 +54,7 @@ from ankusa_shm.shm.degraded import WARN_EVERY_MS
 from ankusa_shm.shm.procs import ProcessSlot, Role
 from ankusa_shm.shm.segment import Segment
 from ankusa_shm.shm.settle_queue import Batch, ConsumerTaken, Op, Record, SettleQueue
+from ankusa_shm.store import settled
 
 log = logging.getLogger("ankusa_shm.drainer")
 
@@ -93,6 +94,7 @@ class Drainer:
         self._memory: Memory | None = None  # the last answer to ``check_memory``
         self._memory_at = 0.0
         self._policy_warned_at: float | None = None
+        self._store_path = cfg.store.path
         promote = repromote.Repromoter(cfg, store, self._row, self._timeout_s)
         self._epoch = epoch.Epoch(store, seg.blob("epoch"), promote, self._timeout_s)
         self._drops = repromote.Drops(cfg, seg, self._row, promote)
@@ -152,6 +154,8 @@ class Drainer:
     async def _watch(self, stop: asyncio.Event) -> None:
         """Beside the deliveries: the server's epoch and the queue's drops every
         ``epoch.CHECK_S``, the server's memory every ``MEMORY_CHECK_S``."""
+        if not self._queue.mended_ms():  # a new segment: before the first epoch check
+            await self._seed()
         memory_at = -MEMORY_CHECK_S
         while not stop.is_set():
             if time.monotonic() - memory_at >= MEMORY_CHECK_S:
@@ -161,6 +165,17 @@ class Drainer:
             roomy = self._queue.depth() <= self._queue.capacity // 2
             await self._drops.check(self._failing is None and roomy)
             await self._pause(epoch.CHECK_S, stop)
+
+    async def _seed(self) -> None:
+        """Start a new segment from what the last stop that left every hook settled kept
+        in the store (``store.settled``): its epoch, to compare the server's with, and the
+        last hook it covers, after which those stored are promoted again. A mark of other
+        epoch keys (another prefix, a cluster then and not now) is not used."""
+        mark = await asyncio.to_thread(settled.read, self._store_path)
+        if mark is None or set(mark.epoch) != self._store.epoch_names:
+            return
+        if self._epoch.seed(mark.epoch):
+            self._drops.settled(mark)
 
     async def check_memory(self) -> None:
         """Warn if the server may evict fleet keys (when first seen, when its policy

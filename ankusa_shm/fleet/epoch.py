@@ -11,10 +11,13 @@ its dedupe window, newest first and paced (``repromote``): the promotes a crash 
 sends, idempotent and never over another host's committed hook.
 
 The values last read are kept in the segment, so a drainer or supervisor restarted
-meanwhile still compares with them; a host started on a new segment promotes its window
-anyway (``repromote.Drops``). On a Redis Cluster there is one epoch key in each 64th of
-the slot space, ``<prefix>:epoch:{<tag>}``, so that a node that loses its data alone
-loses one of them too (a node serving fewer than 512 slots in a row may hold none).
+meanwhile still compares with them. A new segment starts with those the last clean stop
+kept in the store (``seed``, ``store.settled``); without them, a host started on a new
+segment promotes its window anyway (``repromote.Drops``).
+
+On a Redis Cluster there is one epoch key in each 64th of the slot space,
+``<prefix>:epoch:{<tag>}``, so that a node that loses its data alone loses one of them
+too (a node serving fewer than 512 slots in a row may hold none).
 """
 
 from __future__ import annotations
@@ -40,6 +43,15 @@ class Epoch:
         self._blob = blob
         self._promote = promote
         self._timeout_s = timeout_s
+
+    def seed(self, values: dict[str, str]) -> bool:
+        """Start from ``values`` (a new segment's, from the store) if nothing was read yet:
+        the first check then compares with them instead of only keeping what it reads.
+        Whether it did."""
+        if self._blob.read():
+            return False
+        self._blob.write(values)
+        return True
 
     async def check(self, evicting: bool = False) -> None:
         """Read the epoch keys; if one changed, promote this host's window again. A server

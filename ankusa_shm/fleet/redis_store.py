@@ -109,6 +109,11 @@ class RedisStore:
         )
         return cls(client, cfg.key_prefix, cfg.cluster)
 
+    @property
+    def epoch_names(self) -> frozenset[str]:
+        """The epoch keys, as ``epoch`` names them."""
+        return frozenset(k.decode() for k in self._epoch_keys)
+
     def rate_key(self, tenant: str) -> bytes:
         return f"{self._prefix}:{{{tenant}}}:rl".encode()
 

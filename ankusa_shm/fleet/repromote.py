@@ -31,6 +31,7 @@ from ankusa_shm.shm.segment import Segment
 from ankusa_shm.shm.settle_queue import Op, Record, SettleQueue
 from ankusa_shm.store import readers
 from ankusa_shm.store.schema import StoreError
+from ankusa_shm.store.settled import Settled
 
 log = logging.getLogger("ankusa_shm.drainer")
 
@@ -62,12 +63,16 @@ class Repromoter:
         """``since`` the start of the longest dedupe window."""
         return await self.since(time.time_ns() // 1_000_000 - self._window_ms)
 
-    async def since(self, since_wall_ms: int) -> int | None:
-        """Promote every keyed hook received since ``since_wall_ms`` and still in its dedupe
-        window, newest first (the likeliest to be sent again), ``PROMOTES_PER_CALL`` a call
-        and at most ``PROMOTES_PER_S``, counted in ``fleet_repromoted``. How many were
-        sent; None if the store could not be read or a call failed (said in the log), to be
-        tried again later."""
+    async def after(self, seq: int) -> int | None:
+        """``window``, but only the hooks committed after seq ``seq``."""
+        return await self.since(time.time_ns() // 1_000_000 - self._window_ms, seq)
+
+    async def since(self, since_wall_ms: int, after_seq: int = 0) -> int | None:
+        """Promote every keyed hook received since ``since_wall_ms`` (and committed after
+        seq ``after_seq``) and still in its dedupe window, newest first (the likeliest to
+        be sent again), ``PROMOTES_PER_CALL`` a call and at most ``PROMOTES_PER_S``,
+        counted in ``fleet_repromoted``. How many were sent; None if the store could not
+        be read or a call failed (said in the log), to be tried again later."""
         # No store yet: a first start whose workers have not created it.
         if not self._dedupe or not Path(self._path).exists():
             return 0
@@ -76,7 +81,7 @@ class Repromoter:
         while below is not None:
             try:
                 hooks, below = await asyncio.to_thread(
-                    readers.claimed_page, self._path, since_wall_ms, below, PAGE
+                    readers.claimed_page, self._path, since_wall_ms, below, PAGE, after_seq
                 )
             except StoreError as e:
                 log.warning("cannot read the store to promote its hooks again: %s", e)
@@ -118,8 +123,10 @@ class Drops:
     good in the queue (``SettleQueue.mended_ms``), moved on at every look that finds none
     left. A new segment does not know that moment -- a reboot emptied ``/dev/shm``, or an
     upgrade replaced a segment of another layout, and whatever its queue held is gone,
-    promotes that waited out a Redis outage included -- so there the whole dedupe window
-    is promoted, once. On a first start that is an empty store."""
+    promotes that waited out a Redis outage included -- so there the hooks stored since
+    the last stop that left all of them settled are promoted, once (``settled``, from
+    ``store.settled``), or the whole dedupe window if there was none. On a first
+    start that is an empty store."""
 
     def __init__(self, cfg: Config, seg: Segment, row: CounterRow, promote: Repromoter) -> None:
         self._seg = seg
@@ -127,6 +134,11 @@ class Drops:
         self._row = row
         self._promote = promote
         self._slack_ms = cfg.fleet.timeout_ms + cfg.store.lock_timeout_ms + SLACK_MS
+        self._settled: Settled | None = None
+
+    def settled(self, mark: Settled) -> None:
+        """A new segment's: every hook up to ``mark.seq`` is settled in Redis."""
+        self._settled = mark
 
     def unmended(self) -> int:
         t = totals(self._seg.view, self._seg.layout)
@@ -148,6 +160,10 @@ class Drops:
         if mended_ms:
             sent = await self._promote.since(mended_ms - self._slack_ms)
             span = f"in the {(wall_ms - mended_ms + self._slack_ms) / 1000:.0f} s since"
+        elif self._settled is not None:
+            sent = await self._promote.after(self._settled.seq)
+            at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self._settled.at_ms / 1000))
+            span = f"since its last stop that left every hook settled ({at})"
         else:
             sent = await self._promote.window()
             span = "in their dedupe window"
@@ -166,6 +182,7 @@ class Drops:
         elif sent:
             log.info(
                 "a new segment (what an old one held queued is unknown): promoted again the"
-                " %d hooks this host stored in their dedupe window",
+                " %d hooks this host stored %s",
                 sent,
+                span,
             )

@@ -155,15 +155,15 @@ class Reader:
         return out
 
     def claimed_page(
-        self, received_ms: int, below: int, limit: int
+        self, received_ms: int, below: int, limit: int, after_seq: int = 0
     ) -> tuple[list[Claimed], int | None]:
         """Up to ``limit`` of ``claimed_since``'s hooks, the newest committed before seq
         ``below`` first; and the ``below`` to read on from, None once there are no more.
-        ``NEWEST`` starts from the latest."""
+        ``NEWEST`` starts from the latest. Only hooks committed after seq ``after_seq``."""
         rows = self._rows(_CLAIMED, [below, limit])
         out: list[Claimed] = []
         for seq, received, tenant, source, key, hook_id, expires in rows:
-            if received < received_ms:
+            if received < received_ms or seq <= after_seq:
                 return out, None
             out.append((tenant, source, bytes(key), hook_id, expires))
             below = seq
@@ -283,10 +283,10 @@ def claimed_since(path: str | Path, received_ms: int, limit: int = 1 << 62) -> l
 
 
 def claimed_page(
-    path: str | Path, received_ms: int, below: int, limit: int
+    path: str | Path, received_ms: int, below: int, limit: int, after_seq: int = 0
 ) -> tuple[list[Claimed], int | None]:
     """``Reader.claimed_page`` on a reader of its own."""
-    return _once(path, lambda r: r.claimed_page(received_ms, below, limit))
+    return _once(path, lambda r: r.claimed_page(received_ms, below, limit, after_seq))
 
 
 def count(path: str | Path) -> int:

@@ -73,9 +73,18 @@ CREATE TABLE meta (
 # handed out even once retention deleted its row.
 LAST_SEQ = "SELECT coalesce((SELECT seq FROM sqlite_sequence WHERE name = 'hooks'), 0)"
 
+# What the supervisor keeps across stops: the moment of the last stop that left every
+# hook settled in Redis (``settled``).
+_V3 = """
+CREATE TABLE marks (
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+) WITHOUT ROWID;
+"""
+
 # _STEPS[v] takes a file of version v to v + 1: a new file runs them all, an older file the
 # ones it lacks, so both end with the same tables. Only ever append a step.
-_STEPS = (_V1, _V2)
+_STEPS = (_V1, _V2, _V3)
 VERSION = len(_STEPS)
 
 Durability = Literal["fsync", "os"]

@@ -48,9 +48,12 @@ from ankusa_shm import child, config, fds, overrides
 from ankusa_shm.clock import monotonic_ms
 from ankusa_shm.config import Config
 from ankusa_shm.shm import procs, requests
+from ankusa_shm.shm.counters import Counter, totals
 from ankusa_shm.shm.procs import Role
 from ankusa_shm.shm.segment import Segment, make_params
 from ankusa_shm.shm.settle_queue import SettleQueue
+from ankusa_shm.store import settled
+from ankusa_shm.store.schema import StoreError
 from ankusa_shm.supervisor import sockets as socks
 from ankusa_shm.supervisor.notify import Notifier
 
@@ -131,6 +134,11 @@ class Arbiter:
         # what was stored since then (``Worker``), closing the gap a crash between a
         # commit and its settle leaves.
         self._recover_since_ms: int | None = None
+        # Nothing this run did can have left a hook unsettled in Redis but what the settle
+        # queue holds: no crash recovery owed, no worker or drainer that did not stop
+        # cleanly. A graceful stop that ends so, with the queue empty, is kept in the
+        # store (``_keep_settled``).
+        self._settles_clean = True
         self._wake_r, self._wake_w = -1, -1
 
     # -- the life of the supervisor -------------------------------------------------------
@@ -151,10 +159,14 @@ class Arbiter:
             )
             self._queue = SettleQueue(self._seg.view, self._seg.buf, self._seg.layout)
             if self._seg.header().created_ns < began_ns:  # re-attached: its owner may have died
-                self._recover_from(_recovery_start(cfg, _last_heard_ms(self._seg)))
+                if _stopped_settled(cfg, self._seg):
+                    log.info("the last stop left every hook settled: no recovery owed")
+                else:
+                    self._recover_from(_recovery_start(cfg, _last_heard_ms(self._seg)))
             # A new one: what an earlier segment held queued (lost with a reboot, or with a
-            # segment replaced on upgrade) is unknown, and its drainer promotes the whole
-            # dedupe window again (``repromote.Drops``).
+            # segment replaced on upgrade) is unknown, and its drainer promotes again what
+            # was stored since the last stop that left every hook settled, or the whole
+            # dedupe window (``repromote.Drops``, ``store.settled``).
             self._publish(cfg)
             overrides.publish_stored(self._seg.blob("overrides"), cfg.store.path)
             self._install_signals()
@@ -347,6 +359,8 @@ class Arbiter:
         how = f"exit status {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
         if c.retiring or self._stop is not None:
             log.info("%s %d stopped (%s)", c.kind.value, c.pid, how)
+            if code != 0 and c.kind in (Kind.WORKER, Kind.DRAINER):
+                self._settles_clean = False  # killed with a commit or a delivery half done
             return
         if code == child.BOOT_ERROR:
             self._on_boot_error(c)
@@ -363,6 +377,7 @@ class Arbiter:
         still owed, whichever is earlier."""
         owed = self._recover_since_ms
         self._recover_since_ms = since_ms if owed is None else min(owed, since_ms)
+        self._settles_clean = False  # a recovery reads at most half a queue, and may fail
 
     def _back_off(self, kind: Kind, young: bool) -> None:
         b = self._backoff[kind]
@@ -615,6 +630,8 @@ class Arbiter:
         stop = self._stop
         assert stop is not None
         if not self._children:
+            if stop.graceful:
+                self._keep_settled()
             log.info("stopped")
             return True
         if now >= stop.deadline:
@@ -627,6 +644,31 @@ class Arbiter:
             stop.drainer_told = True  # the queue is complete now: let it empty it
             self._signal_all(signal.SIGTERM)
         return False
+
+    def _keep_settled(self) -> None:
+        """Every child gone after a graceful stop: if nothing is owed to the fleet, keep
+        the moment in the store, so that the next start need not promote again what this
+        host stored before it (``store.settled``)."""
+        cfg, seg, queue = self.cfg, self._seg, self._queue
+        if "dedupe" not in cfg.fleet_kinds or seg is None or queue is None:
+            return
+        t = totals(seg.view, seg.layout)
+        epoch = seg.blob("epoch").read()
+        if not (
+            self._settles_clean
+            and self._other_drainer is None
+            and queue.depth() == 0
+            and t[Counter.SETTLE_DROPPED] <= t[Counter.SETTLE_DROPS_RECOVERED]
+            and queue.mended_ms()  # a new segment's promotes were all sent
+            and isinstance(epoch, dict)
+            and epoch
+        ):
+            return
+        wall_ms = time.time_ns() // 1_000_000
+        try:
+            settled.write(cfg.store.path, wall_ms, monotonic_ms(), epoch, cfg.store.lock_timeout_ms)
+        except StoreError as e:
+            log.warning("%s", e)
 
 
 def _free_lane(workers: list[Child], target: int) -> int:
@@ -680,6 +722,17 @@ def _recovery_start(cfg: Config, crashed_ms: int | None = None) -> int:
     not just now."""
     now_ms = time.time_ns() // 1_000_000
     return min(now_ms, crashed_ms or now_ms) - cfg.store.lock_timeout_ms - 1_000
+
+
+def _stopped_settled(cfg: Config, seg: Segment) -> bool:
+    """Whether the last supervisor on this segment stopped with every hook settled, after
+    its workers were last heard from: a mark of this boot, later than every heartbeat."""
+    mark = settled.read(cfg.store.path)
+    if mark is None or not mark.boot or mark.boot != settled.boot_id():
+        return False
+    worker = Role.WORKER.name.lower()
+    beats = [p.heartbeat_ms for p in procs.read(seg.view, seg.layout) if p.role == worker]
+    return mark.mono_ms >= max(beats, default=0)
 
 
 def _last_heard_ms(seg: Segment) -> int | None:
