@@ -13,6 +13,9 @@ provider does. While it runs, faults are injected on a schedule scaled to the du
   redis-restart    redis-server killed and started again, empty
   supervisor-kill  SIGKILL of a supervisor (its children die with it), then a fresh start
                    on the same segment, as systemd would
+  host-reboot      a graceful stop (SIGTERM) of a host, its segment removed as a reboot
+                   empties /dev/shm, then a start on a new segment: what the stop settled
+                   is not promoted again, only what came after it
   queue-full       a host with a small settle queue whose drainer is SIGSTOPped until the
                    queue overflows (its workers still claim in Redis), then SIGCONT
   store-full       a host whose store is on a small tmpfs that is filled (needs root)
@@ -60,6 +63,7 @@ from load_client import GITHUB_SOURCE, SECRET
 from redis_server import RedisServer
 from service import Service
 
+from ankusa_shm.shm import segment as segmod
 from ankusa_shm.shm import snapshot
 from ankusa_shm.shm.counters import Counter
 from ankusa_shm.shm.segment import Segment, SegmentError
@@ -77,6 +81,7 @@ FAULTS = (
     "redis-stall",
     "redis-restart",
     "supervisor-kill",
+    "host-reboot",
     "queue-full",
     "store-full",
     "redis-full",
@@ -111,14 +116,21 @@ def schedule(names: list[str], duration: float, hosts: int) -> list[Fault]:
         "redis-stall": 0.30,
         "redis-restart": 0.45,
         "supervisor-kill": 0.55,
-        "store-full": 0.68,
+        "host-reboot": 0.62,
+        "store-full": 0.70,
         "queue-full": 0.80,
         "redis-full": 0.90,
     }
     if set(names) <= set(SHORT):
         slots.update({"worker-kill": 0.15, "redis-stall": 0.35, "drainer-kill": 0.75})
     small = hosts - 1  # the host with the small queue and the small disk
-    host_of = {"queue-full": small, "store-full": small, "drainer-kill": small}
+    # the reboot on a host that no worker kill leaves owing a crash recovery
+    host_of = {
+        "queue-full": small,
+        "store-full": small,
+        "drainer-kill": small,
+        "host-reboot": small,
+    }
     return sorted(
         (Fault(n, slots[n] * duration, host_of.get(n, 0)) for n in names),
         key=lambda f: f.at_s,
@@ -267,6 +279,13 @@ def inject(f: Fault, hosts: list[Host], redis: RedisServer, load: Load, rng: ran
         svc.start()
         f.recovered_s = load.now() - f.start_s
         f.note = f"host {f.host} restarted on its segment"
+    elif f.name == "host-reboot":
+        svc = host.service
+        code = svc.stop()
+        segmod.unlink(svc.segment)
+        svc.start()
+        f.recovered_s = load.now() - f.start_s
+        f.note = f"host {f.host} stopped (exit {code}), its segment removed, started again"
     elif f.name == "store-full":
         if host.tmpfs is None:
             f.note = "skipped: no tmpfs"
@@ -539,6 +558,13 @@ def ledger(
         if f.name == "queue-full":
             dropped = fig["settle"][f.host]["dropped_full"]
             led.check(dropped > 0, f"queue-full: host {f.host}'s settle queue never overflowed")
+        if f.name == "host-reboot":
+            log = hosts[f.host].service.log()
+            led.check("stopped (exit 0" in f.note, f"host-reboot: {f.note}")
+            led.check(  # the stop left every hook settled: none is promoted again
+                "this host stored in their dedupe window" not in log,
+                f"host-reboot: host {f.host} promoted its whole window again",
+            )
     led.check(fig["stall_p99_ms"] <= TIMEOUT_MS + 5, f"p99 while stalled over {TIMEOUT_MS + 5} ms")
     for k in kills:
         if k["fault"] != "supervisor-kill":

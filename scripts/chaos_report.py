@@ -170,7 +170,7 @@ the faults below. Verdict: **{verdict}**.
 enqueued = sent + expired + corrupt (failed their check) + still queued; dropped (queue
 full) and abandoned (a producer killed between reserving and publishing) were never
 enqueued. Drops made good: the drainer promoted again, from the store, every hook stored
-since the drops began.
+since the drops began. A host rebooted (host-reboot) counts from its new segment.
 
 | host | enqueued | sent | expired | corrupt | queued | dropped | made good | abandoned \
 | balanced | breaker opened |
