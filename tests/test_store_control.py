@@ -142,6 +142,9 @@ def test_no_settled_mark_where_there_is_none_to_read(tmp_path: Path) -> None:
     """No file, a store of an older version (no table), a mark that is not ours: none, so
     the next start on a new segment promotes the whole window, as before marks."""
     assert settled.read(tmp_path / "missing.db") is None
+    with pytest.raises(StoreError, match="not there"):
+        settled.write(tmp_path / "missing.db", 1, 1, {"ankusa:epoch": "ab"}, 1_000)
+    assert not (tmp_path / "missing.db").exists()
     old = tmp_path / "v1.db"
     conn = sqlite3.connect(old, isolation_level=None)
     conn.executescript(V1_SCHEMA)

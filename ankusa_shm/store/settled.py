@@ -79,8 +79,11 @@ def write(
     path: str | Path, at_ms: int, mono_ms: int, epoch: dict[str, str], timeout_ms: int
 ) -> None:
     """Keep the mark of a stop at ``at_ms`` (and ``mono_ms``) that leaves every hook
-    committed so far settled under ``epoch``, synced before this returns. A
-    ``StoreError`` names the file."""
+    committed so far settled under ``epoch``, synced before this returns. A store that is
+    not there (deleted under the service) is not created for it. A ``StoreError`` names
+    the file."""
+    if not Path(path).exists():
+        raise StoreError(f"{path}: not there: no settled mark kept")
     conn = schema.open_writer(path, "fsync", timeout_ms)
     try:
         conn.execute("BEGIN IMMEDIATE")
