@@ -433,6 +433,7 @@ def test_a_clean_stop_spares_the_next_start_what_it_settled(
     assert svc.stop() == 0
     mark = settled.read(svc.store_path)
     assert mark is not None and mark.seq == readers.count(svc.store_path)
+    assert "every hook stored is settled in Redis: kept in the store" in svc.log()
 
     seen = len(svc.log())
     svc.start()  # on the same segment
@@ -499,6 +500,7 @@ def test_a_stop_with_a_worker_killed_on_the_way_leaves_no_mark(
     )
     assert svc.stop() == 0
     assert settled.read(svc.store_path) is None
+    assert "not every hook is known settled in Redis (a worker died" in svc.log()
 
 
 @pytest.mark.parametrize("stalled", ["redis", "drainer", "drainer-killed"])

@@ -654,21 +654,36 @@ class Arbiter:
             return
         t = totals(seg.view, seg.layout)
         epoch = seg.blob("epoch").read()
-        if not (
-            self._settles_clean
-            and self._other_drainer is None
-            and queue.depth() == 0
-            and t[Counter.SETTLE_DROPPED] <= t[Counter.SETTLE_DROPS_RECOVERED]
-            and queue.mended_ms()  # a new segment's promotes were all sent
-            and isinstance(epoch, dict)
-            and epoch
-        ):
+        owed = [
+            why
+            for why, yes in (
+                ("a worker died or a crash recovery was owed", not self._settles_clean),
+                ("another process drained the queue", self._other_drainer is not None),
+                (f"{queue.depth()} settle operations still queued", queue.depth() > 0),
+                (
+                    "dropped promotes not yet made good",
+                    t[Counter.SETTLE_DROPPED] > t[Counter.SETTLE_DROPS_RECOVERED],
+                ),
+                ("a new segment's promotes not all sent", not queue.mended_ms()),
+                ("the fleet's epoch never read", not (isinstance(epoch, dict) and epoch)),
+            )
+            if yes
+        ]
+        if owed:
+            log.info(
+                "not every hook is known settled in Redis (%s): a start on a new segment"
+                " promotes again what was stored since the last stop that left them all",
+                "; ".join(owed),
+            )
             return
+        assert isinstance(epoch, dict)
         wall_ms = time.time_ns() // 1_000_000
         try:
             settled.write(cfg.store.path, wall_ms, monotonic_ms(), epoch, cfg.store.lock_timeout_ms)
         except StoreError as e:
             log.warning("%s", e)
+            return
+        log.info("every hook stored is settled in Redis: kept in the store for the next start")
 
 
 def _free_lane(workers: list[Child], target: int) -> int:
