@@ -46,11 +46,12 @@ class Worker:
         seg: Segment,
         slot: ProcessSlot,
         sockets: list[socket.socket],
-        ready: Callable[[], None],
+        ready: Callable[[bool], None],
         recover_since_ms: int | None = None,
     ) -> None:
         """``recover_since_ms``: a worker died (or the whole host did) and may have left
-        claims unsettled; before serving, promote what was stored since then."""
+        claims unsettled; before serving, promote what was stored since then. ``ready``
+        says it serves, and whether that recovery, if any, was done whole."""
         self._recover_since_ms = recover_since_ms
         self._cfg = cfg
         self._seg = seg
@@ -61,7 +62,8 @@ class Worker:
     def run(self) -> int:
         return uvloop.run(self._serve())
 
-    async def _recover(self, fleet: Fleet, since_ms: int) -> None:
+    async def _recover(self, fleet: Fleet, since_ms: int) -> bool:
+        """Whether every hook stored since ``since_ms`` had its promote queued."""
         # The newest, up to half the settle queue: the rest is room for the hooks served
         # meanwhile, and a look back over days of hooks must not fill it.
         most = self._cfg.fleet.settle_queue_size // 2
@@ -71,9 +73,9 @@ class Worker:
             )
         except StoreError as e:
             log.warning("recovery: cannot read the store: %s", e)
-            return
+            return False
         if not hooks:  # nothing stored lately
-            return
+            return True
         queued = fleet.repromote(hooks, wall_ms())
         log.info(
             "recovery: %d promotes queued for hooks stored since %s%s, whose settle a crash "
@@ -82,6 +84,7 @@ class Worker:
             time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(since_ms / 1000)),
             f" (only the newest {most})" if len(hooks) >= most else "",
         )
+        return len(hooks) < most
 
     async def _serve(self) -> int:
         cfg, seg = self._cfg, self._seg
@@ -114,8 +117,9 @@ class Worker:
             await writer.close()
             await fleet.close()
             raise BootError(str(e)) from None
+        recovered = True
         if self._recover_since_ms is not None and "dedupe" in cfg.fleet_kinds:
-            await self._recover(fleet, self._recover_since_ms)
+            recovered = await self._recover(fleet, self._recover_since_ms)
         fleet.set_overrides(overrides.read(seg.blob("overrides")))
         follow = loop.create_task(overrides.follow(seg.blob("overrides"), fleet.set_overrides))
         answered = observer.answered if observer else None
@@ -125,7 +129,7 @@ class Worker:
         life = Life(self._slot)
         life.start()
         settle_heap()
-        self._ready()
+        self._ready(recovered)
         graceful = await life.stopped()
         follow.cancel()
         await server.stop(graceful, cfg.workers_drain_s, life.hurry)

@@ -1,10 +1,10 @@
 """The last moment this host stopped with every hook in its store settled in Redis.
 
-A graceful stop can leave nothing owed to the fleet: every worker stopped cleanly, no
-crash recovery was owed, no dropped promote was left to make good, and the drainer
-emptied the settle queue. The supervisor then writes that moment here (``write``), with
-the fleet's epoch as the drainer last read it, and the boot and monotonic clock it was
-written on. Two readers:
+A graceful stop can leave nothing owed to the fleet: every worker stopped cleanly, every
+crash recovery of the run was done whole and none is owed, no dropped promote was left to
+make good, and the drainer emptied the settle queue. The supervisor then writes that
+moment here (``write``), with the fleet's epoch as the drainer last read it, and the boot
+and monotonic clock it was written on. Two readers:
 
 - a supervisor that re-attaches its segment on the same boot, after such a stop and
   after its workers were last heard from: no commit can be unsettled, so no crash

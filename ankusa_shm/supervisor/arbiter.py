@@ -91,6 +91,7 @@ class Child:
     ready_fd: int | None  # read end of the readiness pipe, until the child is ready
     lane: int  # which lane's sockets a worker accepts on (``sockets.Listeners``)
     ready: bool = False
+    recovering: int | None = None  # a worker's: the recovery it does before it serves
     retiring: bool = False  # told to stop
     abort_sent: float | None = None  # monotonic s of the SIGABRT for a silent heartbeat
 
@@ -132,12 +133,13 @@ class Arbiter:
         self._admin_socket: socket.socket | None = None
         # Set when a worker died, or the last supervisor did: the next worker promotes
         # what was stored since then (``Worker``), closing the gap a crash between a
-        # commit and its settle leaves.
+        # commit and its settle leaves. Owed again if that worker goes before it serves.
         self._recover_since_ms: int | None = None
         # Nothing this run did can have left a hook unsettled in Redis but what the settle
-        # queue holds: no crash recovery owed, no worker or drainer that did not stop
-        # cleanly. A graceful stop that ends so, with the queue empty, is kept in the
-        # store (``_keep_settled``).
+        # queue holds, or a crash recovery still owed: every recovery was done whole (it
+        # reads at most half a queue, and may fail), and no worker or drainer was killed
+        # stopping. A graceful stop that ends so, with the queue empty and no recovery
+        # owed, is kept in the store (``_keep_settled``).
         self._settles_clean = True
         self._wake_r, self._wake_w = -1, -1
 
@@ -282,7 +284,8 @@ class Arbiter:
             os.close(ready_r)
             self._in_child(kind, ready_w, lane, recover)
         os.close(ready_w)
-        self._children[pid] = Child(pid, kind, self.cfg, time.monotonic(), ready_r, lane)
+        c = Child(pid, kind, self.cfg, time.monotonic(), ready_r, lane, recovering=recover)
+        self._children[pid] = c
         log.info("%s %d started", kind.value, pid)
 
     def _in_child(self, kind: Kind, ready_w: int, lane: int, recover: int | None) -> None:
@@ -303,8 +306,8 @@ class Arbiter:
             admin_socket.close()
         title = f"ankusa-shm: {kind.value} [{seg.name.lstrip('/')}]"
 
-        def ready() -> None:
-            os.write(ready_w, b"1")
+        def ready(recovered: bool = True) -> None:
+            os.write(ready_w, b"1" if recovered else b"2")
             os.close(ready_w)
 
         def body() -> int:  # each child imports only what it runs
@@ -335,6 +338,9 @@ class Arbiter:
         c.ready_fd = None
         if data:
             c.ready = True
+            if data == b"2":  # it said why in its log
+                self._settles_clean = False
+            c.recovering = None
             log.info("%s %d serving", c.kind.value, c.pid)
 
     def _reap(self) -> None:
@@ -357,6 +363,8 @@ class Arbiter:
     def _on_exit(self, c: Child, status: int) -> None:
         code = os.waitstatus_to_exitcode(status)
         how = f"exit status {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
+        if c.recovering is not None:  # gone before its recovery was done: the next one's
+            self._recover_from(c.recovering)
         if c.retiring or self._stop is not None:
             log.info("%s %d stopped (%s)", c.kind.value, c.pid, how)
             if code != 0 and c.kind in (Kind.WORKER, Kind.DRAINER):
@@ -377,7 +385,6 @@ class Arbiter:
         still owed, whichever is earlier."""
         owed = self._recover_since_ms
         self._recover_since_ms = since_ms if owed is None else min(owed, since_ms)
-        self._settles_clean = False  # a recovery reads at most half a queue, and may fail
 
     def _back_off(self, kind: Kind, young: bool) -> None:
         b = self._backoff[kind]
@@ -657,7 +664,8 @@ class Arbiter:
         owed = [
             why
             for why, yes in (
-                ("a worker died or a crash recovery was owed", not self._settles_clean),
+                ("a crash recovery not done whole, or a child killed", not self._settles_clean),
+                ("a crash recovery still owed", self._recover_since_ms is not None),
                 ("another process drained the queue", self._other_drainer is not None),
                 (f"{queue.depth()} settle operations still queued", queue.depth() > 0),
                 (
