@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 from load_client import GITHUB_SOURCE, SECRET, Load, signed
 from redis_server import RedisServer
 from service import Service
@@ -75,6 +76,12 @@ def wait_until(check: object, timeout: float = 15.0, what: str = "") -> None:
 def counter(svc: Service, c: Counter) -> int:
     with Segment.attach(svc.segment, readonly=True) as seg:
         return totals(seg.view, seg.layout)[c]
+
+
+def all_committed(r: redis.Redis, accepted: dict[str, str]) -> bool:
+    """Every accepted hook's dedupe key in Redis holds it, committed: {delivery: hook id}."""
+    keys = [f"ankusa:{{acme}}:dd:github:{d}" for d in accepted]
+    return bool(r.mget(keys) == [f"c:{h}".encode() for h in accepted.values()])
 
 
 def drainer_looked(svc: Service) -> None:
@@ -347,11 +354,7 @@ def test_a_redis_that_lost_its_data_gets_this_hosts_hooks_again(
     assert len(accepted) > 20
     r = redis_server.client()
 
-    def all_committed() -> bool:
-        keys = [f"ankusa:{{acme}}:dd:github:{d}" for d in accepted]
-        return r.mget(keys) == [f"c:{h}".encode() for h in accepted.values()]
-
-    wait_until(all_committed, what="every stored hook promoted")
+    wait_until(lambda: all_committed(r, accepted), what="every stored hook promoted")
     drainer_looked(svc)  # it has read the epoch
     drainer = svc.one("drainer")
     os.kill(drainer, signal.SIGSTOP)  # so that nothing is promoted before the count below
@@ -363,7 +366,7 @@ def test_a_redis_that_lost_its_data_gets_this_hosts_hooks_again(
         r.flushall()
     assert r.dbsize() == 0
     os.kill(drainer, signal.SIGCONT)
-    wait_until(all_committed, what="every stored hook promoted again")
+    wait_until(lambda: all_committed(r, accepted), what="every stored hook promoted again")
     wait_until(  # counted once Redis has answered the drainer
         lambda: counter(svc, Counter.REPROMOTED) >= len(accepted), what="the promotes counted"
     )
@@ -414,9 +417,7 @@ def _stored_and_settled(svc: Service, redis_server: RedisServer) -> dict[str, st
     accepted = dict(load.tally.accepted)
     assert len(accepted) > 20
     r = redis_server.client()
-    keys = [f"ankusa:{{acme}}:dd:github:{d}" for d in accepted]
-    committed = [f"c:{h}".encode() for h in accepted.values()]
-    wait_until(lambda: r.mget(keys) == committed, what="every stored hook promoted")
+    wait_until(lambda: all_committed(r, accepted), what="every stored hook promoted")
     drainer_looked(svc)
     return accepted
 
@@ -477,9 +478,7 @@ def test_a_redis_emptied_while_the_host_was_down_is_seen_on_a_new_segment(
     r = redis_server.client()
     segmod.unlink(svc.segment)
     svc.start()
-    keys = [f"ankusa:{{acme}}:dd:github:{d}" for d in accepted]
-    committed = [f"c:{h}".encode() for h in accepted.values()]
-    wait_until(lambda: r.mget(keys) == committed, what="every stored hook promoted again")
+    wait_until(lambda: all_committed(r, accepted), what="every stored hook promoted again")
     assert "the fleet store lost its data" in svc.log()
     assert svc.stop() == 0
 
@@ -544,11 +543,7 @@ def test_promotes_a_full_settle_queue_dropped_are_made_good(
     assert len(accepted) > 40 and dropped > 0, (len(accepted), dropped)
     r = redis_server.client()
 
-    def all_committed() -> bool:
-        keys = [f"ankusa:{{acme}}:dd:github:{d}" for d in accepted]
-        return r.mget(keys) == [f"c:{h}".encode() for h in accepted.values()]
-
-    wait_until(all_committed, what="every stored hook promoted")
+    wait_until(lambda: all_committed(r, accepted), what="every stored hook promoted")
     wait_until(  # counted once the last promote's pace is kept
         lambda: counter(svc, Counter.SETTLE_DROPS_RECOVERED) == dropped,
         what="the drops counted as made good",
@@ -694,17 +689,20 @@ def test_hup_applies_a_new_limit_without_refusing_a_connection(
     assert svc.post("github", b"{}", signed(b"{}")).status == 201
 
 
+def _listeners(port: int) -> list[list[str]]:
+    """The LISTEN sockets on ``port``, as ``/proc/net/tcp`` rows."""
+    rows = [r.split() for r in Path("/proc/net/tcp").read_text().splitlines()[1:]]
+    return [r for r in rows if r[1].endswith(f":{port:04X}") and r[3] == "0A"]
+
+
 def listening_sockets(port: int) -> int:
     """LISTEN sockets on ``port``: one per worker lane (shared fds are one socket)."""
-    rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
-    return sum(1 for r in rows if r.split()[1].endswith(f":{port:04X}") and r.split()[3] == "0A")
+    return len(_listeners(port))
 
 
 def accept_queue(port: int) -> int:
     """Connections waiting in the LISTEN sockets on ``port`` for a worker to accept them."""
-    rows = [r.split() for r in Path("/proc/net/tcp").read_text().splitlines()[1:]]
-    listeners = [r for r in rows if r[1].endswith(f":{port:04X}") and r[3] == "0A"]
-    return sum(int(r[4].split(":")[1], 16) for r in listeners)
+    return sum(int(r[4].split(":")[1], 16) for r in _listeners(port))
 
 
 def listen_backlogs(port: int) -> list[int]:

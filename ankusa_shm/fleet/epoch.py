@@ -83,12 +83,8 @@ class Epoch:
                 "hooks in their dedupe window again",
                 f", {lost[0]} among {len(lost)}" if len(seen) > 1 else "",
             )
-            if not await self._promote_window():
+            sent = await self._promote.window()
+            if sent is None:
                 return
-        self._blob.write(current)
-
-    async def _promote_window(self) -> bool:
-        sent = await self._promote.window()
-        if sent is not None:
             log.info("promoted again %d hooks stored on this host", sent)
-        return sent is not None
+        self._blob.write(current)

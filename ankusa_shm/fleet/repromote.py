@@ -59,13 +59,9 @@ class Repromoter:
         self._dedupe = "dedupe" in cfg.fleet_kinds
         self._window_ms = cfg.dedupe_window_s * 1000
 
-    async def window(self) -> int | None:
+    async def window(self, after_seq: int = 0) -> int | None:
         """``since`` the start of the longest dedupe window."""
-        return await self.since(time.time_ns() // 1_000_000 - self._window_ms)
-
-    async def after(self, seq: int) -> int | None:
-        """``window``, but only the hooks committed after seq ``seq``."""
-        return await self.since(time.time_ns() // 1_000_000 - self._window_ms, seq)
+        return await self.since(time.time_ns() // 1_000_000 - self._window_ms, after_seq)
 
     async def since(self, since_wall_ms: int, after_seq: int = 0) -> int | None:
         """Promote every keyed hook received since ``since_wall_ms`` (and committed after
@@ -161,7 +157,7 @@ class Drops:
             sent = await self._promote.since(mended_ms - self._slack_ms)
             span = f"in the {(wall_ms - mended_ms + self._slack_ms) / 1000:.0f} s since"
         elif self._settled is not None:
-            sent = await self._promote.after(self._settled.seq)
+            sent = await self._promote.window(self._settled.seq)
             at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self._settled.at_ms / 1000))
             span = f"since its last stop that left every hook settled ({at})"
         else:

@@ -56,8 +56,6 @@ def boot_id() -> str:
 
 def read(path: str | Path) -> Settled | None:
     """The mark; None when there is none, no store, or a store too old to hold one."""
-    if not Path(path).exists():
-        return None
     try:
         with contextlib.closing(schema.connect_ro(path)) as conn:
             row = conn.execute(_READ).fetchone()

@@ -661,13 +661,14 @@ class Arbiter:
             return
         t = totals(seg.view, seg.layout)
         epoch = seg.blob("epoch").read()
+        depth = queue.depth()
         owed = [
             why
             for why, yes in (
                 ("a crash recovery not done whole, or a child killed", not self._settles_clean),
                 ("a crash recovery still owed", self._recover_since_ms is not None),
                 ("another process drained the queue", self._other_drainer is not None),
-                (f"{queue.depth()} settle operations still queued", queue.depth() > 0),
+                (f"{depth} settle operations still queued", depth > 0),
                 (
                     "dropped promotes not yet made good",
                     t[Counter.SETTLE_DROPPED] > t[Counter.SETTLE_DROPS_RECOVERED],
@@ -753,23 +754,28 @@ def _stopped_settled(cfg: Config, seg: Segment) -> bool:
     mark = settled.read(cfg.store.path)
     if mark is None or not mark.boot or mark.boot != settled.boot_id():
         return False
-    worker = Role.WORKER.name.lower()
-    beats = [p.heartbeat_ms for p in procs.read(seg.view, seg.layout) if p.role == worker]
-    return mark.mono_ms >= max(beats, default=0)
+    return mark.mono_ms >= (_last_beat_ms(seg) or 0)
 
 
 def _last_heard_ms(seg: Segment) -> int | None:
     """When the last supervisor's workers were last heard from, on the wall clock: their
     latest heartbeat (monotonic, so it keeps across processes) moved to it. A restart
     that comes long after a crash must still look back from the crash."""
+    beat = _last_beat_ms(seg)
+    if beat is None:
+        return None
+    return time.time_ns() // 1_000_000 - (monotonic_ms() - beat)
+
+
+def _last_beat_ms(seg: Segment) -> int | None:
+    """The latest heartbeat (monotonic ms) of the workers gone from ``seg``."""
+    worker = Role.WORKER.name.lower()
     beats = [
         p.heartbeat_ms
         for p in procs.read(seg.view, seg.layout)
-        if p.role == Role.WORKER.name.lower() and not p.alive and p.heartbeat_ms
+        if p.role == worker and not p.alive and p.heartbeat_ms
     ]
-    if not beats:
-        return None
-    return time.time_ns() // 1_000_000 - (monotonic_ms() - max(beats))
+    return max(beats, default=None)
 
 
 def _kill(pid: int, sig: int) -> None:
