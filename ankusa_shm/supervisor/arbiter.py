@@ -124,7 +124,10 @@ class Arbiter:
         self._stop: _Stop | None = None
         self._halt: str | None = None
         self._announced_ready = False
-        self._up = False  # every child of the first start has served: past the first start
+        # The kinds of child one of which has served. Past the first start (READY sent,
+        # and one of its kind served), a child that cannot start is tried again while
+        # workers serve; before, it stops the service.
+        self._served: set[Kind] = set()
         self._last_watchdog = 0.0
         self._seg: Segment | None = None
         self._queue: SettleQueue | None = None
@@ -338,6 +341,7 @@ class Arbiter:
         c.ready_fd = None
         if data:
             c.ready = True
+            self._served.add(c.kind)
             if data == b"2":  # it said why in its log
                 self._settles_clean = False
             c.recovering = None
@@ -413,7 +417,7 @@ class Arbiter:
             self.notifier.send("READY=1", self._status())
             return  # the failed config's children are now old, and replaced as such
         serving = len(self._serving())
-        if not self._up or not serving:
+        if not (self._announced_ready and c.kind in self._served) or not serving:
             self._halt = f"{c.kind.value} {c.pid} cannot start (its error is logged above)"
             return
         self._back_off(c.kind, young=True)  # however long it took: it will fail again soon
@@ -556,8 +560,6 @@ class Arbiter:
     def _report(self, now: float) -> None:
         self.notifier.flush()  # what a slow receiver left waiting
         healthy = self._healthy()
-        if healthy and all(c.ready for c in self._children.values()):
-            self._up = True
         if healthy and not self._announced_ready:
             self._announced_ready = True
             log.info("ready: %s", self._status())
