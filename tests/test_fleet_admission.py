@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import re
 import time
 from collections.abc import AsyncIterator
@@ -14,7 +15,9 @@ from pathlib import Path
 
 import pytest
 import uvloop
+from cut_proxy import cut_proxy
 from fleet_helpers import (
+    TENANT,
     TEST_TRAFFIC,
     FakeClock,
     Job,
@@ -800,6 +803,63 @@ def test_timed_out_calls_never_corrupt_later_replies(redis_server: RedisServer) 
 
         run(body())
         assert totals(segs[0])[Counter.STORE_TIMEOUT] == 9
+
+
+@pytest.mark.parametrize("cut_before_run", [True, False], ids=["call-lost", "reply-lost"])
+def test_an_admit_whose_connection_drops_is_sent_once_more(
+    redis_server: RedisServer, cut_before_run: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The connection drops under a turn's call, before the server has it or after it ran:
+    sent again on a new connection, the hooks are answered by the fleet, not this host,
+    and the run whose reply was lost is taken for what it did, not charged twice."""
+    caplog.set_level(logging.INFO, "ankusa_shm.fleet")
+    with segments(1) as (seg,):
+
+        async def body() -> list[Admitted]:
+            async with cut_proxy(
+                ("127.0.0.1", redis_server.port), cut_before_run=cut_before_run
+            ) as proxy:
+                cfg = fleet_config(proxy.url, bare(seg), rate=0.001, burst=3)
+                async with open_fleet(cfg, seg) as fleet:
+                    await fleet.reset_tenant(TENANT)  # connected before any admit
+                    with redis_server.client() as r:
+                        reset_stats(r)
+                    first = await asyncio.gather(admit(fleet, cfg, "a"), admit(fleet, cfg, "b"))
+                    assert proxy.made == 1
+                    return [*first, await admit(fleet, cfg, "c"), await admit(fleet, cfg, "d")]
+
+        a, b, c, d = run(body())
+        with redis_server.client() as r:  # claimed once each, and charged once each
+            for key, answer in (("a", a), ("b", b), ("c", c)):
+                assert r.get(dd_key(key)) == pending_value(claim_of(answer).token)
+            assert isinstance(d, RateLimited), d
+        assert redis_server.commandstats()["evalsha"] == (3 if cut_before_run else 4)
+        counted = totals(seg)
+        assert counted[Counter.STORE_OK] == 4 and counted[Counter.STORE_ERROR] == 0
+        assert all(counted[c] == 0 for c in FALLBACKS)
+        assert "sending its admit calls once more" in caplog.text
+
+
+def test_an_admit_call_is_sent_again_only_once(redis_server: RedisServer) -> None:
+    """A call whose second connection drops too is answered by this host: a server that
+    keeps dropping its clients is a failing store, not a reason to loop."""
+    with segments(1) as (seg,):
+
+        async def body() -> Admitted:
+            upstream = ("127.0.0.1", redis_server.port)
+            async with cut_proxy(upstream, cut_before_run=True, cuts=2) as proxy:
+                cfg = fleet_config(proxy.url, bare(seg))
+                async with open_fleet(cfg, seg) as fleet:
+                    await fleet.reset_tenant(TENANT)
+                    answer = await admit(fleet, cfg, "a")
+                    assert proxy.made == 2
+                    return answer
+
+        answer = run(body())
+        assert isinstance(answer, Admit)
+        counted = totals(seg)
+        assert counted[Counter.STORE_ERROR] == 1 and counted[Counter.STORE_OK] == 0
+        assert all(counted[c] == 1 for c in FALLBACKS)
 
 
 def test_degraded_warning_once_per_host(redis_server: RedisServer, tmp_path: Path) -> None:

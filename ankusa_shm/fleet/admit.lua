@@ -13,7 +13,9 @@
 -- Returns    two entries per hook: 0, 0 admitted (claimed if asked) | 1, hook_id duplicate |
 --            2, ms another claim pending | 3, ms rate limited |
 --            4, why admitted, but the server refused to write: nothing of it recorded
--- A duplicate or pending key is not charged; a limited hook claims nothing.
+-- A duplicate or pending key is not charged; a limited hook claims nothing. A key that
+-- holds the hook's own token is this call sent again, its first reply lost with its
+-- connection: admitted, as the first run was, and neither charged nor claimed twice.
 --
 -- A server that refuses writes (-OOM at maxmemory under noeviction, -READONLY on a replica,
 -- -MISCONF when its snapshots fail) still answers reads: every hook is judged as ever, so a
@@ -40,21 +42,24 @@ local function write(...)
   end
 end
 
-local out = {}
+local out, again_at = {}, {}
 for i = 2, #KEYS do
   local token = ARGV[i + 3]
-  local verdict, value = 0, 0
+  local verdict, value, again = 0, 0, false
   if token ~= '' then
     local v = redis.call('GET', KEYS[i])
     if v then
       if string.sub(v, 1, 2) == 'c:' then
         verdict, value = 1, string.sub(v, 3)
+      elseif v == 'p:' .. token then
+        again = true
       else
         verdict, value = 2, math.max(1, redis.call('PTTL', KEYS[i]))
       end
     end
   end
-  if verdict == 0 and charge and not refused then  -- once refused, no charge is recorded
+  -- once refused, no charge is recorded
+  if verdict == 0 and charge and not refused and not again then
     local ahead = tat - now + interval
     if ahead > span then
       verdict, value = 3, math.ceil((ahead - span) / 1000)
@@ -62,11 +67,12 @@ for i = 2, #KEYS do
       tat, lead = tat + interval, ahead
     end
   end
-  if verdict == 0 and token ~= '' then
+  if verdict == 0 and token ~= '' and not again then
     write('SET', KEYS[i], 'p:' .. token, 'PX', pending_ttl)
   end
   out[#out + 1] = verdict
   out[#out + 1] = value
+  if again then again_at[#out - 1] = true end
 end
 
 if lead then
@@ -75,7 +81,7 @@ if lead then
 end
 if refused then
   for j = 1, #out, 2 do
-    if out[j] == 0 then out[j], out[j + 1] = 4, refused end
+    if out[j] == 0 and not again_at[j] then out[j], out[j + 1] = 4, refused end
   end
 end
 return out

@@ -64,6 +64,11 @@ class ReplyError(RedisError):
     """The server answered with an error reply (``-ERR ...``, ``-NOSCRIPT ...``)."""
 
 
+class ConnectionLost(RedisError):
+    """The connection closed under requests in flight (reset, or closed by the server or a
+    proxy): each may or may not have run, and a new connection may answer at once."""
+
+
 _REFUSED = re.compile(r"\b(WRONGPASS|NOAUTH|NOPERM)\b")
 REFUSED_HINT = (
     "the server refuses this client, which no wait will cure: check fleet.password_env or "
@@ -209,7 +214,7 @@ class Connection(asyncio.Protocol):
             self.close(RedisError(f"protocol error: {e}"))
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.close(RedisError(f"connection lost: {exc}" if exc else "connection closed"))
+        self.close(ConnectionLost(f"connection lost: {exc}" if exc else "connection closed"))
 
     def _deliver(self, reply: Reply) -> None:
         if not self._pending:

@@ -17,6 +17,12 @@ once more if the server loses its cache while connected (see redis_client).
 A promote does not need its pending claim to still exist (settle.lua): a hook this host
 stored is ``committed`` in Redis once a promote reaches it, whether its claim expired, was
 never written, or was written late by a call that timed out here and ran after a stall.
+
+An admit call whose connection closes under it (a server or proxy dropping clients, a
+reset) is sent once more on a new connection, within its budget: it may have run, and its
+reply been lost, so admit.lua takes a key holding the hook's own token for that first run
+(admitted, not charged again). Answered from this host instead, the hooks of such a call
+would claim nothing the fleet can see while the server is fine.
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -36,6 +44,7 @@ from ankusa_shm.fleet.redis_client import (
     Call,
     Client,
     ClusterClient,
+    ConnectionLost,
     RedisError,
     Reply,
     ReplyError,
@@ -45,6 +54,8 @@ from ankusa_shm.hooks import bounded_event_key
 from ankusa_shm.limits import Limit
 from ankusa_shm.shm import layout as L
 from ankusa_shm.shm.settle_queue import Op, Record
+
+log = logging.getLogger("ankusa_shm.fleet")
 
 SETTLE_OPS_PER_CALL = 500  # bounds how long one script holds the server
 ADMITS_PER_CALL = 100  # the same, for admit.lua
@@ -92,6 +103,7 @@ class RedisStore:
         self._asks: dict[tuple[str, Limit | None, int], list[_Ask]] = {}
         self._asks_due = False
         self._loop: asyncio.AbstractEventLoop | None = None  # the running turn's
+        self._lost: BaseException | None = None  # the last connection loss logged
 
     @classmethod
     def from_config(
@@ -172,8 +184,34 @@ class RedisStore:
                 keys = (rate_key, *[a.key or rate_key for a in part])
                 key, command = _evalsha(ADMIT, keys, head + tuple(a.token for a in part))
                 deadline = min(a.deadline for a in part)
-                sends.append((key, command, deadline, functools.partial(_answered, part)))
+                again = (key, command, deadline)
+                sends.append(
+                    (key, command, deadline, functools.partial(self._answered, part, again))
+                )
         self.client.send_now(sends)
+
+    def _answered(
+        self,
+        asks: Sequence[_Ask],
+        again: tuple[bytes, Sequence[Arg], float] | None,
+        replies: list[Reply] | BaseException,
+    ) -> None:
+        """A turn's call answered or failed; ``again`` is the call to send once more if
+        its connection was lost under it (None once it has been)."""
+        if (
+            isinstance(replies, ConnectionLost)
+            and again is not None
+            and time.monotonic() < again[2]
+        ):
+            if replies is not self._lost:  # every call in flight fails with the one loss
+                self._lost = replies
+                log.info("fleet store %s: sending its admit calls once more", replies)
+            then = functools.partial(self._answered, asks, None)
+            self.client.send_now([(*again, then)])
+        elif isinstance(replies, BaseException):
+            _fail(asks, replies)
+        else:
+            _hand_out(asks, replies[0])
 
     async def settle(
         self, records: Sequence[Record], now_ms: int, deadline: float = _NEVER
@@ -306,13 +344,6 @@ class _Ask:
     token: str  # hex; "" claims nothing
     deadline: float
     future: asyncio.Future[tuple[int, int | bytes]]
-
-
-def _answered(asks: Sequence[_Ask], replies: list[Reply] | BaseException) -> None:
-    if isinstance(replies, BaseException):
-        _fail(asks, replies)
-    else:
-        _hand_out(asks, replies[0])
 
 
 def _hand_out(asks: Sequence[_Ask], reply: Reply) -> None:
