@@ -11,6 +11,9 @@ provider does. While it runs, faults are injected on a schedule scaled to the du
   drainer-kill     SIGKILL of a drainer
   redis-stall      redis-server SIGSTOPped for longer than every budget and TTL, then SIGCONT
   redis-restart    redis-server killed and started again, empty
+  redis-drop       every client connection dropped by redis-server (CLIENT KILL) every
+                   50 ms for a while: the calls in flight are sent again on new connections,
+                   so no hook is answered node-local and Redis counts as healthy throughout
   supervisor-kill  SIGKILL of a supervisor (its children die with it), then a fresh start
                    on the same segment, as systemd would
   host-reboot      a graceful stop (SIGTERM) of a host, its segment removed as a reboot
@@ -79,6 +82,7 @@ FAULTS = (
     "worker-kill",
     "drainer-kill",
     "redis-stall",
+    "redis-drop",
     "redis-restart",
     "supervisor-kill",
     "host-reboot",
@@ -99,6 +103,7 @@ class Fault:
     start_ms: int = 0  # the same, wall clock, to compare with stored hooks
     end_ms: int = 0
     recovered_s: float | None = None  # a SIGKILLed process: until its successor served
+    fallbacks: int = 0  # hooks the hosts answered node-local while it lasted
     note: str = ""
 
     @property
@@ -111,9 +116,10 @@ class Fault:
 def schedule(names: list[str], duration: float, hosts: int) -> list[Fault]:
     """The faults, spread over the run so each one's effect has passed before the next."""
     slots = {
-        "worker-kill": 0.10,
-        "drainer-kill": 0.20,
-        "redis-stall": 0.30,
+        "worker-kill": 0.08,
+        "drainer-kill": 0.16,
+        "redis-stall": 0.24,
+        "redis-drop": 0.37,
         "redis-restart": 0.45,
         "supervisor-kill": 0.55,
         "host-reboot": 0.62,
@@ -231,6 +237,19 @@ def _replaced(host: Host, role: str, before: list[int], within_s: float = 20.0) 
     return None
 
 
+def _fallbacks(hosts: list[Host]) -> int:
+    """Hooks every host has answered node-local so far (both kinds: rate limit, dedupe)."""
+    n = 0
+    for h in hosts:
+        seg = Segment.attach(h.service.segment, readonly=True)
+        try:
+            c = snapshot.take(seg).counters
+            n += c[Counter.FALLBACK_RATE_LIMIT] + c[Counter.FALLBACK_DEDUPE]
+        finally:
+            seg.close()
+    return n
+
+
 def inject(f: Fault, hosts: list[Host], redis: RedisServer, load: Load, rng: random.Random) -> None:
     host = hosts[f.host]
     f.start_s, f.start_ms = load.now(), _wall_ms()
@@ -249,6 +268,19 @@ def inject(f: Fault, hosts: list[Host], redis: RedisServer, load: Load, rng: ran
         time.sleep(STALL_S)
         redis.cont_signal()
         f.note = f"SIGSTOP {STALL_S:g} s"
+    elif f.name == "redis-drop":
+        before = _fallbacks(hosts)
+        dropped = 0
+        with redis.client() as r:
+            end = time.monotonic() + STALL_S
+            while time.monotonic() < end:
+                dropped += r.client_kill_filter(_type="normal", skipme=True)
+                time.sleep(0.05)
+        f.fallbacks = _fallbacks(hosts) - before
+        f.note = (
+            f"{dropped} client connections dropped in {STALL_S:g} s; "
+            f"{f.fallbacks} hooks answered node-local meanwhile"
+        )
     elif f.name == "redis-full":
         with redis.client() as r:  # noeviction, the policy deploy.md asks for: -OOM
             r.config_set("maxmemory", 1)
@@ -558,6 +590,8 @@ def ledger(
         if f.name == "queue-full":
             dropped = fig["settle"][f.host]["dropped_full"]
             led.check(dropped > 0, f"queue-full: host {f.host}'s settle queue never overflowed")
+        if f.name == "redis-drop":
+            led.check(f.fallbacks == 0, f"redis-drop: {f.note}")
         if f.name == "host-reboot":
             log = hosts[f.host].service.log()
             led.check("stopped (exit 0" in f.note, f"host-reboot: {f.note}")
