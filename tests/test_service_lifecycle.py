@@ -5,6 +5,7 @@ watchdog over a real notify socket, and two hosts sharing one Redis."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import http.client
 import json
 import os
@@ -34,7 +35,7 @@ from ankusa_shm.shm.counters import Counter, totals
 from ankusa_shm.shm.procs import NoFreeSlot, Role
 from ankusa_shm.shm.segment import Segment
 from ankusa_shm.shm.settle_queue import SettleQueue
-from ankusa_shm.store import readers, settled
+from ankusa_shm.store import readers, schema, settled
 
 NODE = "[rate_limits]\ndefault = { rate = 100000, burst = 100000 }\n" + GITHUB_SOURCE
 ENV = {"GH_SECRET": SECRET}
@@ -574,6 +575,35 @@ def test_a_supervisor_restarted_long_after_its_crash_still_recovers(
     wait_until(lambda: "recovery:" in svc.log(), what="the recovery")
     found = re.search(r"recovery: (\d+) promotes queued", svc.log())
     assert found is not None and int(found.group(1)) > 0  # before: 0, the window was empty
+    assert svc.stop() == 0
+
+
+def test_a_recovery_whose_worker_dies_before_it_serves_is_the_next_ones(
+    make: list[Service], tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A worker that dies before it serves has not done the recovery it was given: the
+    next one is. The store's lock held, every worker started waits for it in its boot:
+    the first is SIGKILLed there, the ones after it fail their boot at lock_timeout_ms.
+    Once the lock is let go, the worker that boots promotes what was stored before the
+    first death (before, each of them dropped it, and the last worker recovered nothing)."""
+    svc = service(
+        make, tmp_path, fleet_config(redis_server, timeout_ms=2000), store={"lock_timeout_ms": 100}
+    ).start()
+    for i in range(10):
+        body = b'{"n":%d}' % i
+        assert svc.post("github", body, signed(body, f"before-{i}")).status == 201
+    with schema.lock_path(svc.store_path).open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        first = svc.pids("worker")
+        os.kill(first[0], signal.SIGKILL)
+        wait_until(lambda: set(svc.pids("worker")) - set(first), what="a worker started again")
+        (booting,) = set(svc.pids("worker")) - set(first)
+        os.kill(booting, signal.SIGKILL)  # waiting for the lock: it cannot have served
+        time.sleep(2.5)  # more than the 1.1 s a death's recovery looks back
+        assert "recovery:" not in svc.log()
+    wait_until(lambda: "recovery:" in svc.log(), what="the recovery")
+    found = re.search(r"recovery: (\d+) promotes queued", svc.log())
+    assert found is not None and int(found.group(1)) == 10, svc.log()
     assert svc.stop() == 0
 
 
