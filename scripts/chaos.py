@@ -240,13 +240,10 @@ def _replaced(host: Host, role: str, before: list[int], within_s: float = 20.0) 
 def _fallbacks(hosts: list[Host]) -> int:
     """Hooks every host has answered node-local so far (both kinds: rate limit, dedupe)."""
     n = 0
-    for h in hosts:
-        seg = Segment.attach(h.service.segment, readonly=True)
-        try:
+    for h in hosts:  # attached afresh: a host rebooted since has a new segment
+        with Segment.attach(h.service.segment, readonly=True) as seg:
             c = snapshot.take(seg).counters
-            n += c[Counter.FALLBACK_RATE_LIMIT] + c[Counter.FALLBACK_DEDUPE]
-        finally:
-            seg.close()
+        n += c[Counter.FALLBACK_RATE_LIMIT] + c[Counter.FALLBACK_DEDUPE]
     return n
 
 

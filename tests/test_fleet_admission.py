@@ -836,7 +836,7 @@ def test_an_admit_whose_connection_drops_is_sent_once_more(
         assert redis_server.commandstats()["evalsha"] == (3 if cut_before_run else 4)
         counted = totals(seg)
         assert counted[Counter.STORE_OK] == 4 and counted[Counter.STORE_ERROR] == 0
-        assert all(counted[c] == 0 for c in FALLBACKS)
+        assert all(counted[kind] == 0 for kind in FALLBACKS)
         assert "sending its admit calls once more" in caplog.text
 
 

@@ -339,6 +339,19 @@ def test_a_host_that_lost_its_segment_promotes_again_what_it_had_queued(
     assert svc.stop() == 0
 
 
+def _stored_and_settled(svc: Service, redis_server: RedisServer) -> dict[str, str]:
+    """A second of load, then every accepted hook committed in Redis and the drainer's
+    look after: the epoch read, a new segment's promotes all sent."""
+    with Load(svc.port, threads=2) as load:
+        time.sleep(1.0)
+    accepted = dict(load.tally.accepted)
+    assert len(accepted) > 20
+    r = redis_server.client()
+    wait_until(lambda: all_committed(r, accepted), what="every stored hook promoted")
+    drainer_looked(svc)
+    return accepted
+
+
 @pytest.mark.parametrize("loss", ["restart", "flushall"])
 def test_a_redis_that_lost_its_data_gets_this_hosts_hooks_again(
     make: list[Service], tmp_path: Path, redis_server: RedisServer, loss: str
@@ -349,14 +362,8 @@ def test_a_redis_that_lost_its_data_gets_this_hosts_hooks_again(
     the settle queue (16 here); before, a resend of any of them to another host was stored
     again."""
     svc = service(make, tmp_path, fleet_config(redis_server, "settle_queue_size = 16\n")).start()
-    with Load(svc.port, threads=2) as load:
-        time.sleep(1.0)
-    accepted = dict(load.tally.accepted)
-    assert len(accepted) > 20
+    accepted = _stored_and_settled(svc, redis_server)  # and the epoch read
     r = redis_server.client()
-
-    wait_until(lambda: all_committed(r, accepted), what="every stored hook promoted")
-    drainer_looked(svc)  # it has read the epoch
     drainer = svc.one("drainer")
     os.kill(drainer, signal.SIGSTOP)  # so that nothing is promoted before the count below
     if loss == "restart":
@@ -408,19 +415,6 @@ def test_the_epoch_a_drainer_read_is_kept_for_the_next_one(
     wait_until(lambda: counter(svc, Counter.REPROMOTED) >= 1, what="the promote counted")
     assert counter(svc, Counter.REPROMOTED) == 1
     assert svc.stop() == 0
-
-
-def _stored_and_settled(svc: Service, redis_server: RedisServer) -> dict[str, str]:
-    """A second of load, then every accepted hook committed in Redis and the drainer's
-    look after: the epoch read, a new segment's promotes all sent."""
-    with Load(svc.port, threads=2) as load:
-        time.sleep(1.0)
-    accepted = dict(load.tally.accepted)
-    assert len(accepted) > 20
-    r = redis_server.client()
-    wait_until(lambda: all_committed(r, accepted), what="every stored hook promoted")
-    drainer_looked(svc)
-    return accepted
 
 
 def test_a_clean_stop_spares_the_next_start_what_it_settled(

@@ -1,11 +1,12 @@
 """Fleet-scoped admission: one tenant limit and one dedupe window for N hosts.
 
 ``admit`` is the request path's one entry. With both scopes ``node`` it is this host's
-GCRA table and nothing else. With a fleet scope it makes exactly one store call per hook,
-carrying the tenant's charge and the dedupe claim together, under the hard budget
-``fleet.timeout_ms``. A call that fails or runs out of budget -- or is not made because
-the shared breaker is open -- is answered from this host alone: its own buckets, and for
-dedupe the store's local index. A limiter outage never refuses a hook. A store that
+GCRA table and nothing else. With a fleet scope it makes exactly one store call per hook
+(sent once more only if its connection drops under it: ``redis_store``), carrying the
+tenant's charge and the dedupe claim together, under the hard budget ``fleet.timeout_ms``.
+A call that fails or runs out of budget -- or is not made because the shared breaker is
+open -- is answered from this host alone: its own buckets, and for dedupe the store's
+local index. A limiter outage never refuses a hook. A store that
 answers but refuses writes (full, or a replica) is still asked: it still knows the events
 it holds, and only what it cannot record is answered from this host.
 
