@@ -983,10 +983,11 @@ def test_a_worker_that_cannot_boot_again_while_others_serve_is_retried(
 
 
 def _peak_workers(log: str) -> int:
-    """The most worker processes alive at once, by the supervisor's log."""
+    """The most workers at once, by the supervisor's log, that it had not told to stop: one
+    told to stop may exit after the next has started (an old one drains its connections)."""
     live: set[str] = set()
     peak = 0
-    for m in re.finditer(r"worker (\d+) (started|stopped|died)", log):
+    for m in re.finditer(r"worker (\d+) (started|stopped|stopping|died)", log):
         (live.add if m[2] == "started" else live.discard)(m[1])
         peak = max(peak, len(live))
     return peak
@@ -1037,7 +1038,10 @@ def test_a_burst_of_hups_boots_no_more_workers_than_the_count(
     make: list[Service], tmp_path: Path
 ) -> None:
     """Each HUP makes the worker still booting for the last one old: it is stopped, not
-    kept alongside the next one's."""
+    kept alongside the next one's. And a replacement that served is followed by an old
+    worker's stop before the next replacement starts: never more than one worker over the
+    count (before, a reload ran twice the count, and a HUP landing as a replacement began
+    serving left one more)."""
     svc = service(make, tmp_path).start()
     for _ in range(20):
         svc.send(signal.SIGHUP)
@@ -1046,7 +1050,7 @@ def test_a_burst_of_hups_boots_no_more_workers_than_the_count(
     wait_until(lambda: "reload complete" in svc.log(), what="the last reload complete")
     # Generous: an audit's parallel load once made 15 s too short for the retired ones.
     wait_until(lambda: len(svc.pids("worker")) == 2, 30, "two workers once it settles")
-    assert _peak_workers(svc.log()) <= 2 * 2, svc.log()  # serving ones and booting ones
+    assert _peak_workers(svc.log()) <= 2 + 1, svc.log()  # the count, and one replacement
     assert svc.post("github", b"{}", signed(b"{}")).status == 201
     assert svc.stop() == 0
 

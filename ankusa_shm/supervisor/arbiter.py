@@ -11,7 +11,8 @@ A reaped child's process slot is freed here: a child never gives it back itself.
   running then is killed). INT/QUIT: the same without waiting.
 - HUP: read and validate the config again; an invalid one is logged and the old one
   keeps serving. Workers are replaced one at a time -- a new one serves before an old
-  one is told to stop -- so no connection is refused. A new worker that cannot boot
+  one is told to stop, and the next starts only after that, so a reload runs at most one
+  worker over the count -- and no connection is refused. A new worker that cannot boot
   abandons the reload (the old ones keep serving); one still booting when another HUP
   comes is stopped (it never served), so a burst of HUPs boots no more workers at a
   time than the worker count.
@@ -439,16 +440,17 @@ class Arbiter:
             if c.kind is Kind.WORKER and c.ready and not c.retiring and c.abort_sent is None
         ]
 
-    def _retire(self, c: Child) -> None:
+    def _retire(self, c: Child, why: str) -> None:
         if not c.retiring:
             c.retiring = True
+            log.info("%s %d stopping: %s", c.kind.value, c.pid, why)
             _kill(c.pid, signal.SIGTERM)
 
     def _keep_running(self, now: float) -> None:
         """Start what is missing; replace old-generation children one at a time."""
         for c in self._children.values():
             if c.kind is Kind.WORKER and c.cfg is not self.cfg and not c.ready:
-                self._retire(c)  # still booting on a superseded config: it never served
+                self._retire(c, "its configuration was superseded before it served")
         live = [c for c in self._children.values() if not c.retiring]
         workers = [c for c in live if c.kind is Kind.WORKER]
         current = [c for c in workers if c.cfg is self.cfg]
@@ -457,14 +459,16 @@ class Arbiter:
         b = self._backoff[Kind.WORKER]
         if len(workers) < self._target and now >= b.not_before:
             self._spawn(Kind.WORKER, _free_lane(workers, self._target))
-        elif old and not starting and len(current) < self._target:
-            # the replacement of an old one, on its lane, before it goes
-            self._spawn(Kind.WORKER, _free_lane(current, self._target))
         elif len(workers) > self._target and not starting:
+            # one too many (a replacement serves, or TTOU): before any further replacement,
+            # so that a reload never runs more than one worker over the count
             lanes = {c.lane for c in current}
             extra = [c for c in old if c.lane in lanes or c.lane >= self._target]
             victim = (extra or old)[0] if old else max(current, key=lambda c: (c.lane, c.started))
-            self._retire(victim)
+            self._retire(victim, "replaced" if victim.cfg is not self.cfg else "one too many")
+        elif old and not starting and len(current) < self._target:
+            # the replacement of an old one, on its lane, before it goes
+            self._spawn(Kind.WORKER, _free_lane(current, self._target))
         # A lane above the worker count goes as soon as no serving worker is on it -- when
         # its worker is retired, not when it exits: the kernel would go on queueing
         # connections on a lane nobody accepts from any more.
@@ -477,7 +481,7 @@ class Arbiter:
         for d in drainers:
             stale = d.cfg is not self.cfg or not want_drainer
             if stale and not d.retiring and not old:  # after the workers, whose settles it drains
-                self._retire(d)
+                self._retire(d, "its configuration was replaced")
         d_b = self._backoff[Kind.DRAINER]
         if (
             want_drainer
@@ -490,7 +494,7 @@ class Arbiter:
         admins = [c for c in self._children.values() if c.kind is Kind.ADMIN]
         for a in admins:
             if a.cfg is not self.cfg and not a.retiring:
-                self._retire(a)
+                self._retire(a, "its configuration was replaced")
         a_b = self._backoff[Kind.ADMIN]
         if self._admin_socket is not None and not admins and now >= a_b.not_before:
             self._spawn(Kind.ADMIN)  # once the old one is gone: one writer of the overrides
