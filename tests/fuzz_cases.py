@@ -845,6 +845,10 @@ def chunked(body: bytes, rng: random.Random) -> bytes:
     return b"".join(out) + b"0\r\n" + trailer + b"\r\n"
 
 
+HOSTS = [b"127.0.0.1", b"127.0.0.1:8080", b"edge.example.com", b"[::1]:8080", b"", b"a-b_c~d:"]
+BAD_HOSTS = [b"a b", b"a/b", b"user@a", b"[::1", b"a:80x", b"a\xff", b"a?b", b"a:8080:1"]
+
+
 def framed(
     rng: random.Random,
     path: bytes,
@@ -857,8 +861,8 @@ def framed(
     """One well-formed request, its body by Content-Length or chunked, names in any case."""
     hs = [(_case(rng, k).encode(), v.encode()) for k, v in headers.items()]
     hs += extra or []
-    if rng.random() < 0.5:
-        hs.insert(0, (b"Host", b"127.0.0.1"))
+    if version == b"HTTP/1.1" or rng.random() < 0.5:  # HTTP/1.0 may leave it out
+        hs.insert(0, (_case(rng, "host").encode(), rng.choice(HOSTS)))
     use_chunks = version == b"HTTP/1.1" and rng.random() < 0.3 and body
     if use_chunks:
         hs.append((b"Transfer-Encoding", b"chunked"))
@@ -1007,9 +1011,8 @@ BAD_HEADERS = [
 
 def _bad_header(rng: random.Random, name: str) -> tuple[bytes, Expect]:
     body = b'{"id": "hdr-%s"}' % name.encode()
-    good = head(
-        b"POST", b"/hooks/demo", [(b"content-length", str(len(body)).encode())], b"HTTP/1.1"
-    )
+    hs = [(b"host", b"x"), (b"content-length", str(len(body)).encode())]
+    good = head(b"POST", b"/hooks/demo", hs, b"HTTP/1.1")
     bad = rng.choice(BAD_HEADERS)
     at = good.index(b"\r\n") + 2
     return good[:at] + bad + b"\r\n" + good[at:] + body, Expect(ANY)
@@ -1041,8 +1044,12 @@ CONFLICTS = [
 
 def _framing(rng: random.Random, name: str) -> tuple[bytes, Expect]:
     hs = rng.choice(CONFLICTS)
-    body = rng.choice([b"{}", b"2\r\n{}\r\n0\r\n\r\n", b"{}POST /hooks/demo HTTP/1.1\r\n\r\n"])
-    return b"POST /hooks/demo HTTP/1.1\r\n" + b"\r\n".join(hs) + b"\r\n\r\n" + body, Expect(ANY)
+    body = rng.choice(
+        [b"{}", b"2\r\n{}\r\n0\r\n\r\n", b"{}POST /hooks/demo HTTP/1.1\r\nhost: x\r\n\r\n"]
+    )
+    return b"POST /hooks/demo HTTP/1.1\r\nhost: x\r\n" + b"\r\n".join(
+        hs
+    ) + b"\r\n\r\n" + body, Expect(ANY)
 
 
 BAD_CHUNKS = [
@@ -1064,18 +1071,18 @@ BAD_CHUNKS = [
 
 
 def _bad_chunks(rng: random.Random, name: str) -> tuple[bytes, Expect]:
-    h = b"POST /hooks/demo HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n"
+    h = b"POST /hooks/demo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
     return h + rng.choice(BAD_CHUNKS), Expect(ANY)
 
 
 def _oversize(rng: random.Random, name: str) -> tuple[bytes, Expect]:
     n = rng.choice([MAX_BODY + 1, MAX_BODY * 3, 10**9, 2**63])
     if rng.random() < 0.5:
-        req = b"POST /hooks/demo HTTP/1.1\r\ncontent-length: %d\r\n\r\n" % n
+        req = b"POST /hooks/demo HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % n
         return req + b"x" * min(n, rng.choice([0, 10, 5000])), Expect(frozenset({413}))
     extra = [(b"expect", b"100-continue")] if rng.random() < 0.3 else []
     body = b"x" * rng.choice([MAX_BODY + 1, 3 * MAX_BODY])
-    hs = [(b"transfer-encoding", b"chunked"), *extra]
+    hs = [(b"host", b"x"), (b"transfer-encoding", b"chunked"), *extra]
     return head(b"POST", b"/hooks/demo", hs, b"HTTP/1.1") + chunked(body, rng), Expect(
         frozenset({413})
     )
@@ -1088,6 +1095,19 @@ def _exact_max(rng: random.Random, name: str) -> tuple[bytes, Expect]:
     extra = [(b"expect", b"100-continue")] if rng.random() < 0.3 else []
     req = framed(rng, b"/hooks/github", signed(body, delivery), body, extra=extra)
     return req, Expect(frozenset({201}), "github", delivery.encode(), True, body)
+
+
+def _bad_host(rng: random.Random, name: str) -> tuple[bytes, Expect]:
+    """An HTTP/1.1 request without a Host field, with two, or with a malformed one: 400."""
+    body = b'{"id": "host-%s"}' % name.encode()
+    hs = [(b"content-length", str(len(body)).encode())]
+    roll = rng.randrange(3)
+    if roll == 1:
+        hs += [(b"host", rng.choice(HOSTS)), (_case(rng, "host").encode(), rng.choice(HOSTS))]
+    elif roll == 2:
+        hs.append((b"host", rng.choice(BAD_HOSTS)))
+    rng.shuffle(hs)
+    return head(b"POST", b"/hooks/demo", hs, b"HTTP/1.1") + body, Expect(frozenset({400}))
 
 
 def _mutate_bytes(data: bytes, rng: random.Random) -> bytes:
@@ -1127,6 +1147,7 @@ REQUESTS: dict[str, Family] = {
     "bad_chunks": _bad_chunks,
     "oversize": _oversize,
     "exact_max": _exact_max,
+    "bad_host": _bad_host,
 }
 WHOLE = ("github", "resend", "demo", "bad_signature", "route", "exact_max")  # keep-alive safe
 
@@ -1157,7 +1178,7 @@ def http_case(seed: int, index: int) -> HttpCase:
         data, _ = REQUESTS[family](rng, name)
         return HttpCase(name, "mutated-" + family, _mutate_bytes(data, rng))
     if roll < 0.78:
-        start = rng.choice([b"", b"POST ", b"POST /hooks/demo HTTP/1.1\r\n"])
+        start = rng.choice([b"", b"POST ", b"POST /hooks/demo HTTP/1.1\r\nhost: x\r\n"])
         return HttpCase(name, "garbage", start + rng.randbytes(rng.randint(1, 3000)))
     if roll < 0.86:  # cut short: half-closed (no answer owed) or left hanging (408)
         data, _ = REQUESTS[rng.choice(WHOLE)](rng, name)

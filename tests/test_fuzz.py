@@ -151,14 +151,20 @@ def _raw(svc: Service, data: bytes) -> bytes:
 
 def _demo(key: str, extra: bytes = b"") -> bytes:
     body = json.dumps({"id": key}).encode()
-    return b"POST /hooks/demo HTTP/1.1\r\ncontent-length: %d\r\n%s\r\n%s" % (len(body), extra, body)
+    return b"POST /hooks/demo HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n%s\r\n%s" % (
+        len(body),
+        extra,
+        body,
+    )
 
 
 def test_requests_before_a_close_are_answered_whatever_follows(svc: Service) -> None:
     key = f"close-{uuid.uuid4()}"
     out = _raw(
         svc,
-        _demo(key + "-1") + _demo(key + "-2", b"connection: close\r\n") + b"GET / HTTP/1.1\r\n\r\n",
+        _demo(key + "-1")
+        + _demo(key + "-2", b"connection: close\r\n")
+        + b"GET / HTTP/1.1\r\nhost: x\r\n\r\n",
     )
     responses, wrong = F.parse(out)
     assert wrong == ""
@@ -166,7 +172,10 @@ def test_requests_before_a_close_are_answered_whatever_follows(svc: Service) -> 
 
 
 def test_the_answer_to_head_has_no_body(svc: Service) -> None:
-    out = _raw(svc, b"HEAD /hooks/demo HTTP/1.1\r\n\r\nPOST /nowhere HTTP/1.1\r\n\r\n")
+    out = _raw(
+        svc,
+        b"HEAD /hooks/demo HTTP/1.1\r\nhost: x\r\n\r\nPOST /nowhere HTTP/1.1\r\nhost: x\r\n\r\n",
+    )
     head_end = out.index(b"\r\n\r\n") + 4
     assert out.startswith(b"HTTP/1.1 405 ")
     assert out[head_end:].startswith(b"HTTP/1.1 404 ")

@@ -60,12 +60,11 @@ def raw(svc: Service, data: bytes, wait_s: float = 5.0) -> bytes:
         return out
 
 
-def signed_request(body: bytes, delivery: str, head: str = "") -> bytes:
+def signed_request(body: bytes, delivery: str, head: str = "", host: str = "x") -> bytes:
     """A signed POST of ``body`` to the github source, with ``head``'s lines in its head."""
     fields = "".join(f"{k}: {v}\r\n" for k, v in signed(body, delivery).items())
-    return (
-        f"POST /hooks/github HTTP/1.1\r\n{head}content-length: {len(body)}\r\n{fields}\r\n"
-    ).encode() + body
+    start = f"POST /hooks/github HTTP/1.1\r\nhost: {host}\r\n{head}"
+    return f"{start}content-length: {len(body)}\r\n{fields}\r\n".encode() + body
 
 
 def statuses(out: bytes) -> list[int]:
@@ -172,7 +171,10 @@ def test_an_oversized_body_is_refused_before_it_is_read(svc: Service) -> None:
     chunked = b"".join(
         b"1000\r\n" + b"x" * 4096 + b"\r\n" for _ in range(3)
     )  # 12 KiB in chunks: over the 4 KiB limit as the chunks arrive
-    out = raw(svc, b"POST /hooks/github HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n" + chunked)
+    out = raw(
+        svc,
+        b"POST /hooks/github HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n" + chunked,
+    )
     assert out.startswith(b"HTTP/1.1 413 ")
     assert readers.count(svc.store_path) == 0
 
@@ -181,8 +183,9 @@ def test_an_oversized_body_is_refused_before_it_is_read(svc: Service) -> None:
     "request_bytes",
     [
         b"GARBAGE\r\n\r\n",
-        b"POST /hooks/github HTTP/1.1\r\ncontent-length: x\r\n\r\n",
-        b"POST /hooks/github HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n",
+        b"POST /hooks/github HTTP/1.1\r\nhost: x\r\ncontent-length: x\r\n\r\n",
+        b"POST /hooks/github HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+        b"zz\r\nabc\r\n0\r\n\r\n",
         b"POST /hooks/github HTTP/9.9\r\n\r\n",
     ],
     ids=["request-line", "content-length", "chunk-size", "version"],
@@ -200,16 +203,52 @@ def test_malformed_requests_get_400_and_others_are_unaffected(
     keep.close()
 
 
+@pytest.mark.parametrize(
+    "host",
+    [b"", b"host: a\r\nhost: a\r\n", b"host: a b\r\n", b"host: a/b\r\n", b"host: [::1\r\n"],
+    ids=["missing", "twice", "space", "slash", "bracket"],
+)
+def test_a_request_without_one_good_host_is_400_after_the_answers_before_it(
+    svc: Service, host: bytes
+) -> None:
+    """RFC 9112 3.2: an HTTP/1.1 request without a Host field, or with two or a malformed
+    one, is 400; one pipelined before it is answered and stored, none after it is read."""
+    first, second, third = (b'{"n":%d}' % n for n in (1, 2, 3))
+    keys = [f"host-{uuid.uuid4()}" for _ in range(3)]
+    out = raw(
+        svc,
+        signed_request(first, keys[0], host="edge.example:8080")
+        + signed_request(second, keys[1]).replace(b"host: x\r\n", host)
+        + signed_request(third, keys[2]),
+    )
+    statuses = re.findall(rb"HTTP/1.1 (\d{3}) ", out)
+    assert statuses == [b"201", b"400"], out
+    assert b'{"error":"bad_host"}' in out and b"connection: close" in out
+    stored = {h.event_key for h in readers.page(svc.store_path, 0, 10)}
+    assert stored == {keys[0].encode()}
+
+
+def test_an_http_1_0_request_may_leave_host_out(svc: Service) -> None:
+    body = b'{"old":true}'
+    fields = "".join(f"{k}: {v}\r\n" for k, v in signed(body, "delivery-1.0").items())
+    head = f"POST /hooks/github HTTP/1.0\r\ncontent-length: {len(body)}\r\n{fields}\r\n"
+    out = raw(svc, head.encode() + body)
+    assert out.startswith(b"HTTP/1.1 201 "), out
+    assert readers.count(svc.store_path) == 1
+
+
 def test_headers_over_the_limit_get_431(svc: Service) -> None:
     flood = b"".join(b"x-pad-%d: %s\r\n" % (i, b"v" * 1000) for i in range(80))  # ~80 KiB
-    out = raw(svc, b"POST /hooks/github HTTP/1.1\r\n" + flood + b"\r\n")
+    out = raw(svc, b"POST /hooks/github HTTP/1.1\r\nhost: x\r\n" + flood + b"\r\n")
     assert out.startswith(b"HTTP/1.1 431 ") and b'{"error":"headers_too_large"}' in out
     assert readers.count(svc.store_path) == 0
 
 
 def test_a_truncated_body_stores_nothing(svc: Service) -> None:
     with socket.create_connection(("127.0.0.1", svc.port), timeout=5) as s:
-        s.sendall(b"POST /hooks/github HTTP/1.1\r\ncontent-length: 100\r\n\r\n" + b"x" * 10)
+        s.sendall(
+            b"POST /hooks/github HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n" + b"x" * 10
+        )
         s.shutdown(socket.SHUT_WR)
         assert s.recv(65536) == b""  # closed without an answer: nothing was understood
     assert readers.count(svc.store_path) == 0
@@ -220,9 +259,11 @@ def test_pipelined_requests_are_answered_in_order(svc: Service) -> None:
     reqs = b""
     for i, b in enumerate(bodies):
         head = "".join(f"{k}: {v}\r\n" for k, v in signed(b, f"pipe-{i}").items())
-        reqs += f"POST /hooks/github HTTP/1.1\r\ncontent-length: {len(b)}\r\n{head}\r\n".encode()
+        reqs += f"POST /hooks/github HTTP/1.1\r\nhost: x\r\ncontent-length: {len(b)}\r\n".encode()
+        reqs += f"{head}\r\n".encode()
         reqs += b
-    reqs += b"POST /hooks/github HTTP/1.1\r\nconnection: close\r\ncontent-length: 2\r\n\r\n{}"
+    reqs += b"POST /hooks/github HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
+    reqs += b"content-length: 2\r\n\r\n{}"
     out = raw(svc, reqs)
     assert out.count(b"HTTP/1.1 201 ") == 20 and out.count(b"HTTP/1.1 401 ") == 1
     ids = [i.decode() for i in re.findall(rb'"id":"([0-9a-f-]{36})"', out)]
@@ -232,7 +273,7 @@ def test_pipelined_requests_are_answered_in_order(svc: Service) -> None:
 
 def test_a_slow_client_is_timed_out_while_others_are_served(svc: Service) -> None:
     with socket.create_connection(("127.0.0.1", svc.port), timeout=5) as slow:
-        slow.sendall(b"POST /hooks/github HTTP/1.1\r\nx-a: ")  # and then nothing
+        slow.sendall(b"POST /hooks/github HTTP/1.1\r\nhost: x\r\nx-a: ")  # and then nothing
         started = time.monotonic()
         body = b'{"b":2}'
         for _ in range(3):  # served meanwhile
@@ -242,7 +283,9 @@ def test_a_slow_client_is_timed_out_while_others_are_served(svc: Service) -> Non
     assert answer.startswith(b"HTTP/1.1 408 ") and b"header_timeout" in answer
     assert waited < 3.0  # header_timeout_s is 0.5; the sweep runs every 0.25 s
     with socket.create_connection(("127.0.0.1", svc.port), timeout=5) as slow_body:
-        slow_body.sendall(b"POST /hooks/github HTTP/1.1\r\ncontent-length: 50\r\n\r\nabc")
+        slow_body.sendall(
+            b"POST /hooks/github HTTP/1.1\r\nhost: x\r\ncontent-length: 50\r\n\r\nabc"
+        )
         assert b"body_timeout" in slow_body.recv(65536)
 
 
@@ -260,7 +303,7 @@ def test_expect_100_continue_gets_its_interim_answer(svc: Service) -> None:
     head = "".join(f"{k}: {v}\r\n" for k, v in signed(body, "expecting").items())
     with socket.create_connection(("127.0.0.1", svc.port), timeout=5) as s:
         s.sendall(
-            f"POST /hooks/github HTTP/1.1\r\nexpect: 100-continue\r\n"
+            f"POST /hooks/github HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\n"
             f"content-length: {len(body)}\r\n{head}\r\n".encode()
         )
         assert s.recv(65536) == b"HTTP/1.1 100 Continue\r\n\r\n"  # before any body byte
@@ -331,7 +374,8 @@ def test_a_request_asking_to_upgrade_is_answered_over_http_1_1(svc: Service) -> 
     bodies = [json.dumps({"upgrade": i}).encode() for i in range(3)]
     fields = "".join(f"{k}: {v}\r\n" for k, v in signed(bodies[1], "h2c-1").items())
     chunked = (
-        f"POST /hooks/github HTTP/1.1\r\n{h2c}{fields}transfer-encoding: chunked\r\n\r\n".encode()
+        f"POST /hooks/github HTTP/1.1\r\nhost: x\r\n{h2c}{fields}"
+        "transfer-encoding: chunked\r\n\r\n".encode()
         + b"%x\r\n%s\r\n0\r\n\r\n" % (len(bodies[1]), bodies[1])
     )
     expecting = signed_request(bodies[0], "h2c-0", h2c + "expect: 100-continue\r\n")
@@ -363,7 +407,7 @@ def test_a_transfer_coding_other_than_chunked_is_not_implemented(svc: Service) -
         head = "".join(f"{k}: {v}\r\n" for k, v in signed(payload, "coded").items())
         head += "".join(f"{f}\r\n" for f in fields)
         chunks = b"%x\r\n%s\r\n0\r\n\r\n" % (len(payload), payload)
-        return f"POST /hooks/github HTTP/1.1\r\n{head}\r\n".encode() + chunks
+        return f"POST /hooks/github HTTP/1.1\r\nhost: x\r\n{head}\r\n".encode() + chunks
 
     for fields in [
         ["transfer-encoding: gzip, chunked"],

@@ -893,7 +893,7 @@ def test_new_connections_are_spread_over_the_workers(make: list[Service], tmp_pa
         s.setblocking(False)
         s.connect_ex(("127.0.0.1", svc.port))
     request = (
-        b"POST /hooks/github HTTP/1.1\r\nconnection: close\r\ncontent-length: 2\r\n"
+        b"POST /hooks/github HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 2\r\n"
         + "".join(f"{k}: {v}\r\n" for k, v in signed(b"{}").items()).encode()
         + b"\r\n{}"
     )

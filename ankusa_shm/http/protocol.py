@@ -8,14 +8,15 @@ while the transport cannot write, so a client that sends without reading cannot 
 our memory. Limits: a request line plus headers larger than ``max_header_bytes`` is 431;
 a body larger than ``max_body_bytes`` is 413 as soon as the ``Content-Length`` (or the
 chunks seen so far) says so, without reading the rest; a transfer coding other than
-chunked is 501; bytes that do not parse are 400. Each ends the connection: nothing more is
-read, and the requests queued before it are answered first, in order (a client pairs
-answers with requests by their order, RFC 9112 9.3.2); none is cancelled, since a hook
-being handled may already be committed. Deadlines (headers, body, idle keep-alive, and
-answers left unread, which bound what a client can make us hold) are checked by one sweep
-per server each ``SWEEP_S`` rather than a timer per request. A request asking to switch
-protocols (``Upgrade: h2c``, as ``curl --http2`` sends) is answered over HTTP/1.1 as if
-it had not asked; CONNECT is 400.
+chunked is 501; bytes that do not parse are 400, and so is a request with more than one
+``Host`` field or a malformed one, or an HTTP/1.1 request with none. Each ends the
+connection: nothing more is read, and the requests queued before it are answered first,
+in order (a client pairs answers with requests by their order, RFC 9112 9.3.2); none is
+cancelled, since a hook being handled may already be committed. Deadlines (headers,
+body, idle keep-alive, and answers left unread, which bound what a client can make us
+hold) are checked by one sweep per server each ``SWEEP_S`` rather than a timer per
+request. A request asking to switch protocols (``Upgrade: h2c``, as ``curl --http2``
+sends) is answered over HTTP/1.1 as if it had not asked; CONNECT is 400.
 
 A server holds at most ``max_connections``. At the cap, a new connection closes the one
 that has been idle longest (a kept-alive client must expect that, RFC 9112 9.3), or, with
@@ -28,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import socket
 import time
 import typing
@@ -126,6 +128,12 @@ def _check_coding(coding: str) -> None:
         raise _Reject(400, "bad_request")
     if len(codings) > 1:
         raise _Reject(501, "not_implemented")
+
+
+# A Host field's value (RFC 9112 3.2, RFC 3986 3.2.2): an IP literal in brackets or a
+# registered name or IPv4 address (possibly empty), then an optional port. An HTTP/1.1
+# request without one, or with two, is 400: a proxy in front may have routed it by another.
+_HOST = re.compile(r"(?:\[[0-9A-Za-z:.]+\]|[0-9A-Za-z._~%!$&'()*+,;=-]*)(?::[0-9]*)?")
 
 
 _STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in HTTPStatus}
@@ -303,21 +311,27 @@ class Connection(asyncio.Protocol):
             (name.decode("latin-1").lower(), value.decode("latin-1"))
             for name, value in self._raw_headers
         ]
-        coding, expect = "", False
+        coding, expect, hosts = "", False, 0
         for key, text in headers:
             if key == "content-length":
                 if text.isdigit() and int(text) > self._limits.max_body_bytes:
                     raise _Reject(413, "too_large")
+            elif key == "host":
+                hosts += 1
+                if hosts > 1 or _HOST.fullmatch(text) is None:
+                    raise _Reject(400, "bad_host")
             elif key == "expect":
                 expect = text.lower() == "100-continue"
             elif key == "transfer-encoding":
                 coding = f"{coding},{text}" if coding else text
+        parser = self._parser
+        if not hosts and parser.get_http_version() == "1.1":
+            raise _Reject(400, "bad_host")
         if coding and coding.lower() != "chunked":
             _check_coding(coding)
         # curl and others wait for this (a second, with curl) before the body. Not to
         # HTTP/1.0, which cannot know it (RFC 9110 10.1.1); not ahead of the answers owed
         # before it; to a request that asks to upgrade, when it is parsed again without.
-        parser = self._parser
         if expect and parser.get_http_version() == "1.1" and not parser.should_upgrade():
             if self._task is None:
                 self._continue()
