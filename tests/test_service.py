@@ -3,6 +3,7 @@ real sockets, the store read back from its SQLite file."""
 
 from __future__ import annotations
 
+import fcntl
 import gzip
 import json
 import re
@@ -17,7 +18,7 @@ import pytest
 from load_client import GITHUB_SOURCE, SECRET, signed
 from service import Service
 
-from ankusa_shm.store import readers
+from ankusa_shm.store import readers, schema
 
 GITHUB = (
     """
@@ -179,6 +180,26 @@ def test_an_oversized_body_is_refused_before_it_is_read(svc: Service) -> None:
     assert readers.count(svc.store_path) == 0
 
 
+def test_a_content_length_of_any_length_is_read_as_its_value(svc: Service) -> None:
+    """Leading zeros are valid (RFC 9110 8.6) and unbounded: 5,000 digits of them, then
+    the length, is that length (``int()`` refuses over 4,300 digits); 19 digits that are
+    not zeros are over any limit, without being read as a number."""
+    body = b'{"zeros":1}'
+    zeros = "0" * 5000 + str(len(body))
+    request = signed_request(body, "zeros", "connection: close\r\n")
+    out = raw(
+        svc,
+        request.replace(
+            f"content-length: {len(body)}".encode(), b"content-length: " + zeros.encode()
+        ),
+    )
+    assert statuses(out) == [201], out
+    huge = b"POST /hooks/github HTTP/1.1\r\nhost: x\r\ncontent-length: 1%s\r\n\r\n" % (b"0" * 18)
+    out = raw(svc, huge)
+    assert statuses(out) == [413], out
+    assert readers.count(svc.store_path) == 1
+
+
 @pytest.mark.parametrize(
     "request_bytes",
     [
@@ -221,8 +242,7 @@ def test_a_request_without_one_good_host_is_400_after_the_answers_before_it(
         + signed_request(second, keys[1]).replace(b"host: x\r\n", host)
         + signed_request(third, keys[2]),
     )
-    statuses = re.findall(rb"HTTP/1.1 (\d{3}) ", out)
-    assert statuses == [b"201", b"400"], out
+    assert statuses(out) == [201, 400], out
     assert b'{"error":"bad_host"}' in out and b"connection: close" in out
     stored = {h.event_key for h in readers.page(svc.store_path, 0, 10)}
     assert stored == {keys[0].encode()}
@@ -432,6 +452,38 @@ def test_a_transfer_coding_other_than_chunked_is_not_implemented(svc: Service) -
     assert readers.count(svc.store_path) == 1
 
 
+def _send_queue(local_port: int, remote_port: int) -> int | None:
+    """The kernel's send queue of the socket ``local_port`` -> ``remote_port`` on
+    127.0.0.1 (``/proc/net/tcp``'s tx_queue), or None once there is none."""
+    ends = (f"0100007F:{local_port:04X}", f"0100007F:{remote_port:04X}")
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        f = line.split()
+        if (f[1], f[2]) == ends and f[3] == "01":  # ESTABLISHED
+            return int(f[4].partition(":")[0], 16)
+    return None
+
+
+def test_answers_left_unread_below_the_pause_mark_still_time_out(svc: Service) -> None:
+    """Answers left unread that fill the kernel's buffers and then wait in the worker's
+    own, short of the mark where it stops reading: the worker drops the client after
+    ``body_timeout_s`` (0.5 s) all the same, not held for ever by a close waiting to
+    flush. The client never reads: reading would let the answers out."""
+    batch = b"GET /nope HTTP/1.1\r\nhost: x\r\n\r\n" * 250  # about 25 KB of answers
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", svc.port))
+        port = s.getsockname()[1]
+        queued: int | None = -1
+        while (now := _send_queue(svc.port, port)) != queued:  # the kernel took no more
+            queued = now
+            s.sendall(batch)
+            time.sleep(0.03)
+        deadline = time.monotonic() + 5.0
+        while _send_queue(svc.port, port) is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _send_queue(svc.port, port) is None, "the worker still holds the connection"
+
+
 def test_a_client_that_does_not_read_its_answers_is_dropped(svc: Service) -> None:
     """A client that pipelines requests and never reads our answers holds its connection
     for ``body_timeout_s`` (0.5 s here) once they stop fitting, then it is reset; the
@@ -469,6 +521,30 @@ def test_a_client_that_does_not_read_its_answers_is_dropped(svc: Service) -> Non
     assert out.count(b"HTTP/1.1 404 ") < sent // len(one)
     body = b'{"after":1}'
     assert svc.post("github", body, signed(body)).status == 201
+
+
+def test_a_body_asked_for_late_has_its_whole_timeout(svc: Service) -> None:
+    """A request expecting 100 Continue behind an answer slower than ``body_timeout_s``
+    (the store's lock held for 1.5 s; the timeout is 0.5 s): its client sends the body
+    only once asked, so the timeout starts with the 100, not with the request's head."""
+    body = b'{"late":1}'
+    first = signed_request(body, "before-late")
+    head = signed_request(body, "late", "expect: 100-continue\r\n")[: -len(body)]
+    with open(schema.lock_path(svc.store_path), "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        s = socket.create_connection(("127.0.0.1", svc.port), timeout=5)
+        s.sendall(first + head)
+        time.sleep(1.5)
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    with s:
+        got = b""
+        while b"100 Continue" not in got:
+            got += s.recv(65536)
+        time.sleep(0.3)  # a client taking its time, within the timeout
+        s.sendall(body + signed_request(body, "after-late", "connection: close\r\n"))
+        while chunk := s.recv(65536):
+            got += chunk
+    assert statuses(got) == [201, 100, 201, 201], got
 
 
 def test_100_continue_follows_earlier_answers_and_is_not_sent_to_http_1_0(svc: Service) -> None:

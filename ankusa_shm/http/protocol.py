@@ -314,7 +314,11 @@ class Connection(asyncio.Protocol):
         coding, expect, hosts = "", False, 0
         for key, text in headers:
             if key == "content-length":
-                if text.isdigit() and int(text) > self._limits.max_body_bytes:
+                # Leading zeros are valid and unbounded: int() of over 4300 digits raises.
+                digits = text.lstrip("0")
+                if digits.isdigit() and (
+                    len(digits) > 18 or int(digits) > self._limits.max_body_bytes
+                ):
                     raise _Reject(413, "too_large")
             elif key == "host":
                 hosts += 1
@@ -332,13 +336,14 @@ class Connection(asyncio.Protocol):
         # curl and others wait for this (a second, with curl) before the body. Not to
         # HTTP/1.0, which cannot know it (RFC 9110 10.1.1); not ahead of the answers owed
         # before it; to a request that asks to upgrade, when it is parsed again without.
+        self._deadline = time.monotonic() + self._limits.body_timeout_s
+        self._deadline_error = "body_timeout"
         if expect and parser.get_http_version() == "1.1" and not parser.should_upgrade():
             if self._task is None:
                 self._continue()
-            else:
-                self._expect_continue = True  # written by _answer once they are
-        self._deadline = time.monotonic() + self._limits.body_timeout_s
-        self._deadline_error = "body_timeout"
+            else:  # written by _answer once they are, and the body's time starts then
+                self._expect_continue = True
+                self._deadline = 0.0
 
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
@@ -406,9 +411,11 @@ class Connection(asyncio.Protocol):
             self._continue()
 
     def _continue(self) -> None:
+        """Ask for the body; its deadline starts now, as its client may wait for this."""
         self._expect_continue = False
         if self._transport is not None:
             self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self._deadline = time.monotonic() + self._limits.body_timeout_s
 
     def _reject(self, status: int, error: str) -> None:
         """Answer an unreadable request and end the connection: nothing more is read, and
@@ -460,7 +467,14 @@ class Connection(asyncio.Protocol):
         quietly; a request too slow in coming is answered 408 first. A client that leaves
         our answers unread for ``body_timeout_s`` (as long as it may take to send a body)
         is reset, and the requests it queued that were not begun are dropped: none was
-        answered, so its client sends them again."""
+        answered, so its client sends them again. (The transport pauses us only past its
+        high-water mark: answers below it left unread are found here, by the sweep.)"""
+        t = self._transport
+        if t is not None and self._can_write.is_set():  # paused: pause_writing's deadline
+            if not t.get_write_buffer_size():
+                self._write_deadline = 0.0
+            elif not self._write_deadline:
+                self._write_deadline = now + self._limits.body_timeout_s
         if self._write_deadline and now >= self._write_deadline:
             self._pipeline.clear()
             if self._transport is not None:
