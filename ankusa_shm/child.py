@@ -106,11 +106,14 @@ def run(title: str, parent: int, body: Callable[[], int]) -> NoReturn:
     """The forked child's life: become a child, run ``body``, exit with its status."""
     code = 1
     try:
-        die_with_parent(parent)
         signal.set_wakeup_fd(-1)
         for sig in signal.valid_signals():  # whatever the supervisor handled, the child does not
             if callable(signal.getsignal(sig)):
                 signal.signal(sig, signal.SIG_DFL)
+        # The supervisor blocked its signals across the fork: one sent to us since then is
+        # delivered now, with its default action (a TERM before we serve: gone at once).
+        signal.pthread_sigmask(signal.SIG_SETMASK, ())
+        die_with_parent(parent)
         faulthandler.enable()  # SIGABRT from the supervisor prints where the loop was stuck
         setproctitle.setproctitle(title)
         code = body()

@@ -89,7 +89,9 @@ class Service:
         env: dict[str, str] | None = None,
         argv_prefix: list[str] | None = None,
         pass_fds: tuple[int, ...] = (),
+        ready: bool = True,
     ) -> Service:
+        """Start it, and wait for READY=1 unless ``ready`` is false."""
         if self.notify is None:
             self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             self.notify.bind(str(self.notify_path))
@@ -114,7 +116,8 @@ class Service:
             )
         finally:
             log.close()
-        self.wait_for("READY=1")
+        if ready:
+            self.wait_for("READY=1")
         return self
 
     def wait_for(self, field: str, timeout: float = READY_TIMEOUT_S) -> None:

@@ -107,6 +107,84 @@ def test_ready_and_watchdog_reach_the_notify_socket(make: list[Service], tmp_pat
     assert "STOPPING=1" in svc.received_fields()
 
 
+def test_signals_sent_as_the_supervisor_starts_wait_for_its_loop(
+    make: list[Service], tmp_path: Path
+) -> None:
+    """HUP and TTIN sent once the port is bound, while the supervisor still opens the
+    segment and the store: their default actions would end it (HUP) or stop it (TTIN);
+    they wait for its loop, which then reloads and adds a worker."""
+    svc = service(make, tmp_path).start(ready=False)
+    assert svc.proc is not None
+    while svc.proc.poll() is None:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", svc.port)):
+            break
+    svc.send(signal.SIGHUP)
+    svc.send(signal.SIGTTIN)
+    svc.wait_for("READY=1")
+    wait_until(lambda: len(svc.pids("worker")) == 3, what="the TTIN's third worker")
+    assert "one worker more: 3" in svc.log()
+    assert svc.stop() == 0
+
+
+def _children(svc: Service) -> set[int]:
+    """The supervisor's children, dead and not yet reaped included."""
+    return {int(p) for p in Path(f"/proc/{svc.pid}/task/{svc.pid}/children").read_text().split()}
+
+
+def _kill_and_catch_the_next(svc: Service) -> int:
+    """SIGKILL a worker; the pid of the child forked next, as soon as it exists."""
+    before = _children(svc)
+    os.kill(svc.pids("worker")[0], signal.SIGKILL)
+    deadline = time.monotonic() + 10.0
+    while not (new := _children(svc) - before):
+        assert time.monotonic() < deadline, "no worker started in place of the killed one"
+    return new.pop()
+
+
+def test_a_signal_sent_to_a_child_as_it_is_forked_is_not_lost(
+    make: list[Service], tmp_path: Path
+) -> None:
+    """A forked child has the supervisor's handlers, which queue a signal for the
+    supervisor's loop, until it puts its own in place: a TERM sent to a new worker in that
+    moment was queued where nothing reads it, and the worker served on (through a whole
+    graceful stop). Five new workers, each sent TERM the moment it appears: each ends."""
+    svc = service(make, tmp_path).start()
+    for _ in range(5):
+        wait_until(lambda: len(svc.pids("worker")) == 2, what="two workers serving")
+        pid = _kill_and_catch_the_next(svc)
+        os.kill(pid, signal.SIGTERM)
+        wait_until(lambda p=pid: p not in _children(svc), 5.0, f"{pid} ended")
+    wait_until(lambda: len(svc.pids("worker")) == 2, what="two workers serving again")
+    assert svc.post("github", b"{}", signed(b"{}")).status == 201
+    assert svc.stop() == 0
+
+
+def _logged_at(log: str, pattern: str) -> float:
+    """When the first line of ``log`` matching ``pattern`` was written, in seconds."""
+    m = re.search(r"^\S+ (\d\d):(\d\d):(\d\d),(\d{3}) .*" + pattern, log, re.M)
+    assert m is not None, f"nothing logged matches {pattern!r}:\n{log}"
+    h, mi, sec, ms = (int(g) for g in m.groups())
+    return h * 3600 + mi * 60 + sec + ms / 1000
+
+
+def test_a_worker_dying_young_is_replaced_after_its_backoff_not_a_tick(
+    make: list[Service], tmp_path: Path
+) -> None:
+    """A worker that dies within a second of its start is replaced after 0.1 s (its
+    backoff), not at the supervisor's next one-second tick."""
+    svc = service(make, tmp_path).start()
+    time.sleep(1.0)  # the workers are past young: the first death is replaced at once
+    young = _kill_and_catch_the_next(svc)
+    os.kill(young, signal.SIGKILL)
+    wait_until(lambda: len(svc.pids("worker")) == 2, what="the young one replaced")
+    log = svc.log()
+    died = _logged_at(log, f"worker {young} died")
+    after = log[log.index(f"worker {young} died") :]
+    started = _logged_at(after, r"worker \d+ started")
+    assert started - died < 0.6, f"replaced {started - died:.3f} s after it died"
+    assert svc.stop() == 0
+
+
 def test_a_notify_receiver_that_does_not_read_never_stops_the_supervisor(
     make: list[Service], tmp_path: Path
 ) -> None:
@@ -953,12 +1031,14 @@ def test_a_worker_that_cannot_boot_again_while_others_serve_is_retried(
     make: list[Service], tmp_path: Path
 ) -> None:
     """Its secret file gone, a killed worker cannot start again: the other one keeps
-    serving and the respawn is retried with backoff; only with no worker left serving
-    does the supervisor stop."""
+    serving and the respawn is retried with backoff, and the watchdog is still pinged
+    (a restart would stop at the first start); only with no worker left serving does the
+    supervisor stop."""
     secret = tmp_path / "gh.secret"
     secret.write_text(SECRET)
     source = GITHUB_SOURCE.replace('secret_env = "GH_SECRET"', f'secret_file = "{secret}"')
-    svc = service(make, tmp_path, NODE.replace(GITHUB_SOURCE, source)).start()
+    svc = service(make, tmp_path, NODE.replace(GITHUB_SOURCE, source))
+    svc.start(env={"WATCHDOG_USEC": "400000"})  # a ping every 0.2 s
     secret.unlink()
     # The first worker started: it accepts on lane 0, whose sockets the supervisor keeps.
     victim = int(re.search(r"worker (\d+) started", svc.log())[1])  # type: ignore[index]
@@ -969,8 +1049,15 @@ def test_a_worker_that_cannot_boot_again_while_others_serve_is_retried(
         what="a respawn that cannot start, tried again with backoff",
     )
     assert svc.proc.poll() is None, svc.log()
+    svc.received_fields()
+    pinged = len(svc.notifications)
     for _ in range(8):  # the other one serves every new connection, none waits on lane 0
         assert svc.post("github", b"{}", signed(b"{}")).status == 201
+    time.sleep(1.0)
+    svc.received_fields()
+    pings = [m for m in svc.notifications[pinged:] if "WATCHDOG=1" in m.split("\n")]
+    assert len(pings) >= 3, svc.notifications[pinged:]
+    assert "1 of 2 workers" in pings[-1]
     secret.write_text(SECRET)
     wait_until(lambda: len(svc.pids("worker")) == 2, what="the respawn booting once it can")
     assert svc.post("github", b"{}", signed(b"{}")).status == 201

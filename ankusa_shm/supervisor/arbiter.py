@@ -75,6 +75,10 @@ _HANDLED = (
     signal.SIGTTOU,
     signal.SIGCHLD,
 )
+# Until the loop runs, these wait blocked: their default actions would end the supervisor
+# (HUP) or stop it (TTIN, TTOU). TERM, INT and QUIT keep theirs: before anything is forked,
+# to stop at once is to stop gracefully.
+_DEFERRED = (signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU)
 
 
 class Kind(enum.Enum):
@@ -152,6 +156,7 @@ class Arbiter:
     def run(self) -> int:
         cfg = self.cfg
         began_ns = time.time_ns()
+        signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED)
         fds.raise_limit()  # before any fork: every child inherits it
         _check_room(cfg)
         try:
@@ -216,10 +221,13 @@ class Arbiter:
     def _wait(self) -> None:
         fds = [self._wake_r]
         fds += [c.ready_fd for c in self._children.values() if c.ready_fd is not None]
+        timeout = min(TICK_S, self.notifier.watchdog_s or TICK_S)
+        now = time.monotonic()
+        for b in self._backoff.values():  # a respawn due sooner than the next tick
+            if b.not_before > now:
+                timeout = min(timeout, b.not_before - now)
         try:
-            readable, _, _ = select.select(
-                fds, [], [], min(TICK_S, self.notifier.watchdog_s or TICK_S)
-            )
+            readable, _, _ = select.select(fds, [], [], timeout)
         except InterruptedError:
             return
         for fd in readable:
@@ -237,6 +245,7 @@ class Arbiter:
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         for sig in _HANDLED:
             signal.signal(sig, self._enqueue)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _DEFERRED)  # what came meanwhile: queued
 
     def _enqueue(self, signum: int, _frame: object) -> None:
         self._signals.append(signum)
@@ -283,10 +292,16 @@ class Arbiter:
         recover = None
         if kind is Kind.WORKER:  # taken here, in the supervisor: one worker recovers
             recover, self._recover_since_ms = self._recover_since_ms, None
+        # A child inherits our handlers, which queue a signal for our loop, not its own:
+        # one sent to it before it has put its own in place would be lost (a TERM so lost
+        # kept a new worker serving through a stop). Blocked across the fork, it waits for
+        # the child's handlers (``child.run``).
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, _HANDLED)
         pid = os.fork()
         if pid == 0:
             os.close(ready_r)
             self._in_child(kind, ready_w, lane, recover)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.close(ready_w)
         c = Child(pid, kind, self.cfg, time.monotonic(), ready_r, lane, recovering=recover)
         self._children[pid] = c
@@ -372,8 +387,9 @@ class Arbiter:
             self._recover_from(c.recovering)
         if c.retiring or self._stop is not None:
             log.info("%s %d stopped (%s)", c.kind.value, c.pid, how)
-            if code != 0 and c.kind in (Kind.WORKER, Kind.DRAINER):
-                self._settles_clean = False  # killed with a commit or a delivery half done
+            # killed with a commit or a delivery half done (a worker not yet serving had none)
+            if code != 0 and (c.kind is Kind.DRAINER or (c.kind is Kind.WORKER and c.ready)):
+                self._settles_clean = False
             return
         if code == child.BOOT_ERROR:
             self._on_boot_error(c)
@@ -415,7 +431,8 @@ class Arbiter:
             self.cfg, self._previous = self._previous, None
             self._target = _worker_count(self.cfg)
             self._publish(self.cfg)
-            self.notifier.send("READY=1", self._status())
+            if self._announced_ready:
+                self.notifier.send("READY=1", self._status())
             return  # the failed config's children are now old, and replaced as such
         serving = len(self._serving())
         if not (self._announced_ready and c.kind in self._served) or not serving:
@@ -505,7 +522,8 @@ class Arbiter:
         if self._previous is not None and not old and not starting and drainer_current:
             log.info("reload complete")
             self._previous = None
-            self.notifier.send("READY=1", self._status())
+            if self._announced_ready:
+                self.notifier.send("READY=1", self._status())
 
     def _drainer_elsewhere(self) -> bool:
         """Whether a live process other than our children holds the settle queue's
@@ -551,20 +569,30 @@ class Arbiter:
                 c.abort_sent = now
                 _kill(c.pid, signal.SIGABRT)
 
-    def _healthy(self) -> bool:
-        workers = [c for c in self._children.values() if c.kind is Kind.WORKER]
-        ready = [c for c in workers if c.ready and c.abort_sent is None]
+    def _healthy(self) -> int:
+        """How many workers serve and have not been given up on; 0 also when the settle
+        queue has no drainer (with a fleet scope)."""
         drainer_ok = (
             not self.cfg.fleet_kinds
             or self._other_drainer is not None
             or any(c.kind is Kind.DRAINER and c.abort_sent is None for c in self._children.values())
         )
-        return len(ready) >= self._target and drainer_ok
+        if not drainer_ok:
+            return 0
+        return sum(
+            1
+            for c in self._children.values()
+            if c.kind is Kind.WORKER and c.ready and c.abort_sent is None
+        )
 
     def _report(self, now: float) -> None:
+        """READY=1 once every worker serves; WATCHDOG=1 while any does. A worker that
+        cannot start again while another serves is retried here, and a restart by the
+        watchdog would only swap a host that serves for one that stops at its first
+        start; a hung supervisor, or no worker serving, still goes without pings."""
         self.notifier.flush()  # what a slow receiver left waiting
         healthy = self._healthy()
-        if healthy and not self._announced_ready:
+        if healthy >= self._target and not self._announced_ready:
             self._announced_ready = True
             log.info("ready: %s", self._status())
             self.notifier.send("READY=1", self._status())
@@ -585,7 +613,11 @@ class Arbiter:
             drainer = ", drainer up"
         else:
             drainer = ""
-        return f"STATUS=serving on {self._describe()}: {workers} workers, fleet {fleet}{drainer}"
+        short = f" of {self._target}" if workers < self._target else ""
+        return (
+            f"STATUS=serving on {self._describe()}: {workers}{short} workers, "
+            f"fleet {fleet}{drainer}"
+        )
 
     def _publish(self, cfg: Config) -> None:
         """What readers and the children take from the segment: the config snapshot and
@@ -607,7 +639,8 @@ class Arbiter:
             return
         new = _keep_restart_only(self.cfg, new)
         _check_room(new)
-        self.notifier.send("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
+        if self._announced_ready:  # before the first READY=1, systemd has nothing to reload
+            self.notifier.send("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
         self._previous, self.cfg = self._previous or self.cfg, new
         self._target = _worker_count(new)
         self._publish(new)
