@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import sqlite3
+import struct
 import subprocess
 import sys
 import threading
@@ -267,6 +268,28 @@ def _request_head(body: bytes) -> bytes:
     headers = {**signed(body), "host": "edge", "content-length": str(len(body))}
     lines = ["POST /hooks/github HTTP/1.1", *(f"{k}: {v}" for k, v in headers.items())]
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def test_a_hook_whose_client_hangs_up_during_its_admission_is_finished(
+    make: list[Service], tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """The client resets its connection while the hook's admit call waits on a paused
+    Redis: the request is finished, not cancelled. Cancelled, it left the claim its call
+    made pending in Redis, and the provider's retry was refused 409 until the claim
+    expired; finished, the hook is stored and settled, and the retry is its duplicate."""
+    svc = service(make, tmp_path, fleet_config(redis_server, timeout_ms=3000)).start()
+    body = b'{"hung_up":1}'
+    headers = {**signed(body, "hung-up"), "host": "edge", "content-length": str(len(body))}
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    redis_server.client().client_pause(600, all=False)  # writes, scripts included, wait
+    with socket.create_connection(("127.0.0.1", svc.port)) as s:
+        s.sendall(f"POST /hooks/github HTTP/1.1\r\n{head}\r\n".encode() + body)
+        time.sleep(0.2)  # the admit call is sent, and waits
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    wait_until(lambda: readers.count(svc.store_path) == 1, what="the hook stored all the same")
+    retry = svc.post("github", body, signed(body, "hung-up"))
+    assert retry.status == 201 and retry.body.get("duplicate") is True, retry
+    assert svc.stop() == 0
 
 
 def _answer(sock: socket.socket) -> bytes:

@@ -207,12 +207,12 @@ class Connection(asyncio.Protocol):
         self._server.idle.pop(self, None)
         self._transport = None
         self._can_write.set()
+        # No answer can reach its client now: the requests not begun are dropped, and the
+        # one being handled is finished, its answer unsent. Cancelled, a hook admitted but
+        # not yet committed left its claim pending in Redis, and the client's retry was
+        # refused 409 until the claim expired; finished, it is stored, and the retry is
+        # its duplicate.
         self._pipeline.clear()
-        # No answer can reach its client now. Cleared here: a task cancelled before its
-        # first step never runs its own ``finally``.
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
 
     def data_received(self, data: bytes) -> None:
         self._server.idle.pop(self, None)  # not idle: may not be closed to make room
