@@ -84,12 +84,11 @@ def run(args: argparse.Namespace) -> int:
     path = cfg.store.path
     try:
         if args.hooks_command == "list":
-            _print(readers.page(path, args.after, args.limit, args.source), args.json)
+            source = args.source
+            hooks = [] if _not_utf8(source) else readers.page(path, args.after, args.limit, source)
+            _print(hooks, args.json)
         elif args.hooks_command == "show":
-            try:
-                found = readers.get(path, args.id)
-            except UnicodeEncodeError:  # bytes that are not UTF-8: no hook id has them
-                found = None
+            found = None if _not_utf8(args.id) else readers.get(path, args.id)
             if found is None:
                 return _fail(f"{path}: no hook {args.id!r}", 1)
             print(_json(found) if args.json else _details(found))
@@ -104,6 +103,18 @@ def run(args: argparse.Namespace) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     return 0
+
+
+def _not_utf8(arg: str | None) -> bool:
+    """Whether ``arg`` came as bytes that are not UTF-8 (kept as surrogates): no hook id or
+    source has them, and SQLite cannot be asked for them."""
+    if arg is None:
+        return False
+    try:
+        arg.encode()
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _fail(message: str, status: int) -> int:

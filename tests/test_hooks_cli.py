@@ -140,6 +140,8 @@ def test_unknown_id_missing_store_and_bad_config_are_one_line(
     assert err.endswith("no hook 'no-such-id'\n") and err.count("\n") == 1
     status, lines, err = hooks_cmd(capsys, "show", "\udcff", "--config", toml)  # argv's \xff
     assert (status, lines) == (1, []) and err.count("\n") == 1
+    status, lines, err = hooks_cmd(capsys, "list", "--source", "\udcff", "--config", toml)
+    assert (status, lines, err) == (0, [], "")  # no source has such bytes
     with pytest.raises(SystemExit) as e:  # argparse's own one line, exit 2
         hooks_cmd(capsys, "list", "--limit", "9" * 30, "--config", toml)
     assert e.value.code == 2 and "must be 1 to" in capsys.readouterr().err

@@ -1103,6 +1103,26 @@ def _peak_workers(log: str) -> int:
     return peak
 
 
+def test_a_hup_moving_the_store_keeps_it_until_a_restart(
+    make: list[Service], tmp_path: Path
+) -> None:
+    """``store.path`` changed on HUP is logged and kept: workers replaced one at a time
+    wrote two stores at once, and the admin process read the new one only, its cursors
+    starting again at 1, so hooks answered 201 during the reload went missing from it."""
+    svc = service(make, tmp_path).start()
+    assert svc.post("github", b"{}", signed(b"{}")).status == 201
+    moved = tmp_path / "elsewhere" / "hooks.db"
+    before = svc.pids("worker")
+    svc.rewrite(NODE, path=str(moved))
+    svc.send(signal.SIGHUP)
+    wait_until(lambda: "reload complete" in svc.log(), what="the reload")
+    assert not set(before) & set(svc.pids("worker"))
+    assert "HUP: store.path changed; it takes effect at the next restart" in svc.log()
+    assert svc.post("github", b"{}", signed(b"{}")).status == 201
+    assert readers.count(svc.store_path) == 2 and not moved.exists()
+    assert svc.stop() == 0
+
+
 def test_a_reload_resets_no_kept_alive_client(make: list[Service], tmp_path: Path) -> None:
     """Clients that keep their connections and send every 50 ms, across a HUP: a retiring
     worker keeps an idle connection a moment for the request its client may be sending,

@@ -759,7 +759,9 @@ def _worker_count(cfg: Config) -> int:
 
 def _keep_restart_only(old: Config, new: Config) -> Config:
     """What a running service cannot change -- the segment and its sizes, the listening
-    addresses -- is carried over from ``old``, with a warning naming it."""
+    addresses, the store's file -- is carried over from ``old``, with a warning naming it.
+    (Workers replaced one at a time would write two stores at once, the admin process read
+    only the new one, and its cursors start again at 1.)"""
     server = dataclasses.replace(
         new.server,
         segment=old.server.segment,
@@ -767,15 +769,17 @@ def _keep_restart_only(old: Config, new: Config) -> Config:
         admin_listen=old.server.admin_listen,
     )
     fleet = dataclasses.replace(new.fleet, settle_queue_size=old.fleet.settle_queue_size)
+    store = dataclasses.replace(new.store, path=old.store.path)
     for name, before, after in (
         ("server.segment", old.server.segment, new.server.segment),
         ("server.listen", old.server.listen, new.server.listen),
         ("server.admin_listen", old.server.admin_listen, new.server.admin_listen),
         ("fleet.settle_queue_size", old.fleet.settle_queue_size, new.fleet.settle_queue_size),
+        ("store.path", old.store.path, new.store.path),
     ):
         if before != after:
             log.warning("HUP: %s changed; it takes effect at the next restart", name)
-    return dataclasses.replace(new, server=server, fleet=fleet)
+    return dataclasses.replace(new, server=server, fleet=fleet, store=store)
 
 
 def _recovery_start(cfg: Config, crashed_ms: int | None = None) -> int:
