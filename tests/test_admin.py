@@ -429,6 +429,12 @@ def test_consumers_page_ack_resume_after_a_restart_and_long_poll(
     status, page = admin_json(svc, "GET", f"/v1/hooks?after={page['cursor']}&wait=0.3")
     assert (status, page["hooks"]) == (200, []) and 0.3 <= time.monotonic() - t0 < 2.0
 
+    # A cursor past the end (from a store since replaced) is answered at once, with the end.
+    t0 = time.monotonic()
+    status, past = admin_json(svc, "GET", f"/v1/hooks?after={page['cursor'] + 1000}&wait=5")
+    assert (status, past) == (200, {"hooks": [], "cursor": page["cursor"]})
+    assert time.monotonic() - t0 < 2.0
+
     # A long-poll in flight does not hold up a graceful stop: it is answered at once.
     got.clear()
     waiter = threading.Thread(target=poll, args=(page["cursor"], 30))

@@ -162,8 +162,8 @@ class ConsumerApi:
             seen = self._watch.load()  # before the query: a commit after it wakes us
             docs, last = await self._store.read(lambda r: r.page_json(cursor, q.limit, q.source))
             left = deadline - time.monotonic()
-            if docs or left <= 0 or self._watch.closed:
-                break
+            if docs or last < cursor or left <= 0 or self._watch.closed:
+                break  # (a cursor past the end is answered at once, with the end)
             await self._watch.wait(seen, left)
         return 200, f'{{"hooks":[{",".join(docs)}],"cursor":{last}}}'.encode()
 

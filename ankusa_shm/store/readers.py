@@ -134,13 +134,15 @@ class Reader:
         self, after_seq: int, limit: int, source: str | None = None
     ) -> tuple[list[str], int]:
         """``page`` as the consumer API sends it: each hook's ``doc()`` as JSON text, and
-        the last seq (``after_seq`` when there is none). SQLite writes all of a document
+        the last seq (``after_seq`` when there is none, or the store's last seq when
+        ``after_seq`` is past it: a cursor from a store since replaced would otherwise skip
+        every hook until the new store's seqs reached it). SQLite writes all of a document
         but the key and the body, which may not be UTF-8: a fifth of the cost of making
         ``StoredHook`` objects and encoding them, which is most of what a consumer costs
         the host."""
         rows = self._after(_DOC_HEAD, after_seq, limit, source)
         docs = [head[:-1] + _doc_tail(key, body) for _, head, key, body in rows]
-        return docs, rows[-1][0] if rows else after_seq
+        return docs, rows[-1][0] if rows else min(after_seq, self.last_seq())
 
     def claimed_since(self, received_ms: int, limit: int = 1 << 62) -> list[Claimed]:
         """(tenant, source, event key, hook id, expires_ms) of every hook received at or
