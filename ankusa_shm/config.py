@@ -78,7 +78,11 @@ def _address(v: str) -> str | None:
     host, sep, port = v.rpartition(":")
     if not sep or not host or not _DIGITS.match(port) or not 0 < int(port) < 65536:
         return f"{v!r} is not host:port"
-    return None
+    try:  # as the resolver will take it (a label over 63 bytes, say, it cannot)
+        ok = host.isprintable() and bool(host.strip("[]").encode("idna"))
+    except UnicodeError:
+        ok = False
+    return None if ok else f"{v!r}: {host!r} is not a host name or address"
 
 
 def _addresses(v: list[str]) -> str | None:
@@ -572,6 +576,12 @@ def _convert(tp: Any, v: Any, origin: str, key: str) -> Any:
             raise bad("a string")
         return v
     raise TypeError(f"no converter for {tp!r} at {key}")
+
+
+def check(cfg: Config) -> None:
+    """The checks across settings, again, for a config assembled from two: a reload keeps
+    the running one's restart-only settings, and what it keeps must agree with the rest."""
+    _cross_checks(cfg, cfg.origin)
 
 
 def _cross_checks(cfg: Config, origin: str) -> None:

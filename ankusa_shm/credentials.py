@@ -27,4 +27,6 @@ def read_secret(env: str = "", file: str = "") -> str:
             raise MissingSecret(f"cannot read secret file {file}: {e.strerror}") from None
         except UnicodeDecodeError:
             raise MissingSecret(f"secret file {file} is not UTF-8 text") from None
+        except ValueError:  # a NUL in the path: no file can have that name
+            raise MissingSecret(f"cannot read secret file {file!r}: not a path") from None
     return ""

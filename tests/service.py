@@ -78,10 +78,10 @@ class Service:
         text = toml_table("server", server) + toml_table("store", store) + rest
         self.config_path.write_text(text)
 
-    def rewrite(self, rest: str, **store: Any) -> None:
-        """A new config with the same server section, and the store's changed by ``store``
-        (for HUP)."""
-        self.write_config(rest, self._server, {**self._store, **store})
+    def rewrite(self, rest: str, server: dict[str, Any] | None = None, **store: Any) -> None:
+        """A new config (for HUP): the same server and store sections, but for what
+        ``server`` and ``store`` change in them."""
+        self.write_config(rest, {**self._server, **(server or {})}, {**self._store, **store})
 
     # -- life -------------------------------------------------------------------------
 

@@ -525,6 +525,28 @@ def test_the_token_is_required_when_configured(make: Callable[..., Service]) -> 
     assert svc.admin("GET", "/metrics", headers=good)[0] == 200
 
 
+def test_a_reload_cannot_drop_the_token_of_an_address_kept_until_a_restart(
+    make: Callable[..., Service],
+) -> None:
+    """admin_listen is kept until a restart; a new config that moves it to loopback and
+    drops the token passed its own checks, and the admin process was restarted without a
+    token on the old, open address. The reload is refused: the token stays required."""
+    port = free_port()
+    server = {"admin_listen": f"0.0.0.0:{port}", "admin_token_env": "ADMIN_TOKEN"}
+    svc = make(server=server, env={**ENV, "ADMIN_TOKEN": "t0ken-for-tests"})
+    svc.admin_port = port
+    svc.start()
+    admins = svc.pids("admin")
+    svc.rewrite(REST, server={"admin_listen": f"127.0.0.1:{port}", "admin_token_env": ""})
+    svc.send(signal.SIGHUP)
+    wait_until(lambda: "keeps serving" in svc.log(), 10.0, "the reload refused")
+    assert "server.admin_listen: 0.0.0.0:" in svc.log()
+    time.sleep(1.0)  # what a reload would have done by now
+    assert svc.pids("admin") == admins
+    assert svc.admin("GET", "/healthz")[0] == 401
+    assert svc.stop() == 0
+
+
 def switches(pid: int) -> int:
     """The process's context switches so far, all its threads (a wakeup is one or more)."""
     total = 0

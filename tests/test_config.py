@@ -171,6 +171,9 @@ def test_wrong_type_names_the_key(tmp_path: Path, text: str, key: str) -> None:
     [
         ("[server]\nworkers = 1000\n", "server.workers"),
         ("[server]\nlisten = ['nowhere']\n", "server.listen"),
+        # hosts no resolver takes: a label over 63 bytes, a NUL (a TypeError at bind)
+        (f"[server]\nlisten = ['{'é' * 70}:8080']\n", "server.listen"),
+        ('[server]\nlisten = ["a\\u0000b:8080"]\n', "server.listen"),
         ("[fleet]\nbreaker_failure_rate = 1.5\n", "fleet.breaker_failure_rate"),
         ("[fleet]\ntimeout_ms = 0\n", "fleet.timeout_ms"),
         ("[rate_limits]\ndefault = { rate = 1, burst = 0 }\n", "rate_limits.default.burst"),

@@ -6,6 +6,7 @@ import logging
 import mmap
 import os
 import secrets
+from pathlib import Path
 
 import posix_ipc
 import pytest
@@ -355,6 +356,41 @@ def test_another_users_segment_is_denied_never_replaced(seg: Segment, seg_name: 
     assert outcome == "denied,denied"
     with Segment.attach(seg_name) as again:
         assert again.header() == seg.header()  # still there, untouched
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can give a file to another user")
+def test_a_segment_of_another_user_that_anyone_may_write_is_never_taken(
+    seg: Segment, seg_name: str
+) -> None:
+    """/dev/shm is anyone's to write: another user may make the name first, with a mode
+    that lets us in. The supervisor refuses it rather than re-attach to it (whose owner
+    could read and change what it holds)."""
+    path = f"/dev/shm/{seg_name}"
+    os.chown(path, 65534, 65534)
+    os.chmod(path, 0o666)
+    with pytest.raises(SegmentDenied, match="belongs to uid 65534"):
+        Segment.open_for_owner(seg_name, SMALL)
+    assert os.stat(path).st_uid == 65534 and os.stat(path).st_mode & 0o777 == 0o666
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_a_name_that_is_not_a_shared_memory_file_is_foreign(
+    seg_name: str, tmp_path: Path, kind: str
+) -> None:
+    """A symlink at the name was a traceback (ELOOP), a FIFO a hang (its open blocks):
+    both are foreign to a reader, and the supervisor puts a segment in their place."""
+    path = Path(f"/dev/shm/{seg_name}")
+    target = tmp_path / "target"
+    target.write_bytes(b"not yours")
+    if kind == "symlink":
+        path.symlink_to(target)
+    else:
+        os.mkfifo(path)
+    with pytest.raises(ForeignSegment):
+        Segment.attach(seg_name, readonly=True)
+    with Segment.open_for_owner(seg_name, SMALL) as fresh:
+        assert fresh.header().params == SMALL
+    assert path.is_file() and not path.is_symlink() and target.read_bytes() == b"not yours"
 
 
 def test_config_snapshot_round_trip(seg: Segment) -> None:

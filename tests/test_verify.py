@@ -151,6 +151,9 @@ def test_missing_or_empty_secret_fails_at_build(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("HOOK_SECRET", "")
     with pytest.raises(InvalidSecret, match="HOOK_SECRET is empty"):
         verifier_for(source({"hmac": GITHUB}))
+    nul = {"hmac": {**GITHUB, "secret_env": "", "secret_file": "/tmp/a\x00b"}}
+    with pytest.raises(MissingSecret, match="not a path"):  # not a ValueError: a boot error
+        verifier_for(source(nul))
 
 
 # -- standard webhooks and svix --------------------------------------------------------------

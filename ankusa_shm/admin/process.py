@@ -4,7 +4,8 @@ A child of the supervisor like a worker: it builds everything after the fork (th
 reader and control handles, the fleet store connection for bucket resets, the HTTP
 server), publishes the stored tenant overrides, says it serves, and heartbeats from its
 loop so the supervisor can tell a stuck loop from a busy one. It runs retention too, being
-the one process that writes besides the workers. SIGTERM: stop accepting, let requests in
+the one process besides the workers that writes while the service runs (the supervisor
+writes only its mark of a clean stop). SIGTERM: stop accepting, let requests in
 flight finish (a long-poll is answered at once); SIGINT/SIGQUIT: the same without waiting.
 """
 

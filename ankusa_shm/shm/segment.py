@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import stat
 import time
 from dataclasses import dataclass
 
@@ -64,6 +65,18 @@ def shm_name(name: str) -> str:
     if not bare or "/" in bare or len(bare) > 250:
         raise SegmentError(f"invalid segment name {name!r}: one path component, 1-250 chars")
     return "/" + bare
+
+
+_SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory, each name a file
+
+
+def _lstat(path: str) -> os.stat_result | None:
+    """The file a segment's name is, not followed; None where there is no such file (or,
+    off Linux, no such directory to look in)."""
+    try:
+        return os.lstat(_SHM_DIR + path)
+    except OSError:
+        return None
 
 
 def make_params(
@@ -145,12 +158,17 @@ class Segment:
     def attach(cls, name: str, *, readonly: bool = False) -> Segment:
         """Attach to an existing, ready segment whose header this build understands."""
         path = shm_name(name)
+        st = _lstat(path)
+        if st is not None and not stat.S_ISREG(st.st_mode):  # a FIFO would block the open
+            raise ForeignSegment(f"segment {path} is not a shared-memory file ({_SHM_DIR}{path})")
         try:
             shm = posix_ipc.SharedMemory(path, read_only=readonly)
         except posix_ipc.ExistentialError:
             raise SegmentMissing(f"no segment named {path} (is ankusa-shm running?)") from None
         except posix_ipc.PermissionsError:
             raise SegmentDenied(f"no permission to open segment {path}") from None
+        except OSError as e:  # a name swapped for a symlink since: ELOOP
+            raise ForeignSegment(f"cannot open segment {path}: {e.strerror}") from None
         try:
             size = os.fstat(shm.fd).st_size
             if size < L.HEADER_BYTES:
@@ -173,6 +191,12 @@ class Segment:
         """The supervisor's entry: re-attach to a matching segment left by a dead owner, or
         replace an unusable one (logging what is lost), or create a fresh one."""
         path = shm_name(name)
+        st = _lstat(path)
+        if st is not None and st.st_uid != os.geteuid():  # /dev/shm is anyone's to write
+            raise SegmentDenied(
+                f"segment {path} belongs to uid {st.st_uid}, not to this service's "
+                f"({os.geteuid()}): remove it, or choose another server.segment"
+            )
         try:
             seg = cls.attach(path)
         except SegmentMissing:

@@ -638,6 +638,15 @@ class Arbiter:
             log.error("HUP: %s; the running configuration keeps serving", e)
             return
         new = _keep_restart_only(self.cfg, new)
+        try:  # e.g. a token dropped while the kept admin address is not loopback
+            config.check(new)
+        except config.ConfigError as e:
+            log.error(
+                "HUP: %s (with the settings kept until a restart); the running "
+                "configuration keeps serving",
+                e,
+            )
+            return
         _check_room(new)
         if self._announced_ready:  # before the first READY=1, systemd has nothing to reload
             self.notifier.send("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
