@@ -133,7 +133,7 @@ class Drainer:
                         return
                     await self._idle(stop)
                     continue
-                delivered = await self._deliver(batch, now)
+                delivered = await self._deliver(batch, now, deadline)
                 if delivered is not None:
                     full = len(batch.records) >= self._batch_max
                     self._queue.commit(batch)
@@ -145,6 +145,8 @@ class Drainer:
                         await self._pause(self._interval_s, stop)
                     continue
                 backoff = min(max(2 * backoff, BACKOFF_MIN_S), BACKOFF_MAX_S)
+                if deadline is not None:  # stopping: not past the stop's deadline either
+                    backoff = min(backoff, max(0, deadline - self._now_ms()) / 1000)
                 await self._pause(backoff, stop)
         finally:
             waker.cancel()
@@ -230,14 +232,21 @@ class Drainer:
             and now_ms - rec.claimed_ms > self._pending_ttl_ms
         )
 
-    async def _deliver(self, batch: Batch, now_ms: int) -> tuple[int, int, int] | None:
+    async def _deliver(
+        self, batch: Batch, now_ms: int, stop_ms: int | None
+    ) -> tuple[int, int, int] | None:
         """One round trip for the batch: (promotes, releases sent, expired); None (batch
-        kept) if the store failed."""
+        kept) if the store failed. Stopping, it is given up at the stop's deadline
+        (``stop_ms``): a Redis gone for good held the drainer past it for one more
+        ``settle_timeout_ms``, into the supervisor's SIGKILL."""
         live = [r for r in batch.records if not self._expired(r, now_ms)]
         if live:
             self._row.add(Counter.DRAIN_ROUND_TRIPS)
+            budget_s = self._timeout_s
+            if stop_ms is not None:
+                budget_s = min(budget_s, max(0, stop_ms - now_ms) / 1000)
             try:
-                await self._store.settle(live, now_ms, time.monotonic() + self._timeout_s)
+                await self._store.settle(live, now_ms, time.monotonic() + budget_s)
             except (TimeoutError, RedisError) as e:
                 self._row.add(Counter.DRAIN_ERRORS)
                 if self._failing is None:
