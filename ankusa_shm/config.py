@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ankusa_shm.fleet.redis_client import parse_url
 from ankusa_shm.limits import Limit
+from ankusa_shm.redis_url import parse_url
 from ankusa_shm.shm.layout import MAX_NAME
 
 Scope = Literal["node", "fleet"]

@@ -13,15 +13,9 @@ from redis_server import RedisServer
 
 from ankusa_shm import config
 from ankusa_shm.fleet import redis_client
-from ankusa_shm.fleet.redis_client import (
-    Client,
-    Endpoint,
-    RedisError,
-    ReplyError,
-    pack,
-    parse_url,
-)
+from ankusa_shm.fleet.redis_client import Client, RedisError, ReplyError, pack
 from ankusa_shm.fleet.redis_store import RedisStore
+from ankusa_shm.redis_url import Endpoint, parse_url
 
 
 def test_pack_encodes_resp() -> None:

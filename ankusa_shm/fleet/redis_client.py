@@ -40,16 +40,14 @@ import asyncio
 import collections
 import functools
 import re
-import ssl
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
 from typing import Any, cast
-from urllib.parse import parse_qs, unquote, urlsplit
 
 import hiredis
 
 from ankusa_shm.fleet.hash_slot import key_slot
+from ankusa_shm.redis_url import Endpoint
 
 Arg = bytes | str | int
 Reply = Any
@@ -90,54 +88,6 @@ def pack(*args: Arg) -> bytes:
     """RESP-encode one command (str as UTF-8, int in decimal), in hiredis's C."""
     packed: bytes = hiredis.pack_command(cast(Any, args))  # its stub allows one argument
     return packed
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    host: str = "127.0.0.1"
-    port: int = 6379
-    path: str = ""  # unix socket
-    db: int = 0
-    username: str = ""
-    password: str = field(default="", repr=False)
-    tls: bool = False
-    ca_file: str = ""  # for TLS; "" = the system's CA bundle
-
-    @property
-    def name(self) -> str:
-        return f"unix:{self.path}" if self.path else f"{self.host}:{self.port}"
-
-    def ssl_context(self) -> ssl.SSLContext | None:
-        return ssl.create_default_context(cafile=self.ca_file or None) if self.tls else None
-
-
-def parse_url(url: str, password: str = "", tls_ca_file: str = "") -> Endpoint:
-    """``redis://[user@]host[:port][/db]``, ``rediss://...`` (TLS), ``unix:///path[?db=N]``.
-    The password comes from the caller (environment or file), never from the URL; anything
-    this cannot use is a ValueError saying what."""
-    u = urlsplit(url)
-    if u.scheme not in ("redis", "rediss", "unix"):
-        raise ValueError(f"scheme {u.scheme!r} is not redis://, rediss:// or unix://")
-    if u.password:
-        raise ValueError("a Redis URL must not carry a password (give it from a file or env)")
-    try:
-        port = u.port or 6379
-    except ValueError:
-        raise ValueError(f"{url!r} has no valid port") from None
-    username = unquote(u.username or "")
-    if u.scheme == "unix":
-        if not u.path:
-            raise ValueError(f"{url!r} names no socket path")
-        db = parse_qs(u.query).get("db", ["0"])[0]
-    else:
-        db = u.path.lstrip("/") or "0"
-    if not db.isdigit():
-        raise ValueError(f"database {db!r} is not a whole number")
-    if u.scheme == "unix":
-        return Endpoint(path=u.path, db=int(db), username=username, password=password)
-    tls = u.scheme == "rediss"
-    host = u.hostname or "127.0.0.1"
-    return Endpoint(host, port, "", int(db), username, password, tls, tls_ca_file)
 
 
 _LATE_S = 0.001  # a deadline timer firing fails every waiter due within this much after it

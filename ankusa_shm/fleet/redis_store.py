@@ -48,10 +48,10 @@ from ankusa_shm.fleet.redis_client import (
     RedisError,
     Reply,
     ReplyError,
-    parse_url,
 )
 from ankusa_shm.hooks import bounded_event_key
 from ankusa_shm.limits import Limit
+from ankusa_shm.redis_url import parse_url
 from ankusa_shm.shm import layout as L
 from ankusa_shm.shm.settle_queue import Op, Record
 
