@@ -15,3 +15,13 @@ def monotonic_ns() -> int:
 
 def monotonic_ms() -> int:
     return time.monotonic_ns() // 1_000_000
+
+
+WallClock = Callable[[], int]
+"""Returns wall-clock milliseconds since the epoch; tests inject their own."""
+
+
+def wall_ms() -> int:
+    """For what outlives the host's monotonic clock: a hook's received-at, Redis's TTLs,
+    what the store keeps across reboots."""
+    return time.time_ns() // 1_000_000

@@ -27,6 +27,7 @@ from ankusa_shm.redis_url import parse_url
 from ankusa_shm.shm.layout import MAX_NAME
 
 Scope = Literal["node", "fleet"]
+ADMIN_BACKLOG = 128  # the admin listener's: a few local clients, or a load balancer
 Check = Callable[[Any], str | None]  # returns what is wrong, or None
 
 # ASCII, so characters are bytes; \Z, not $, which would let a trailing newline through.

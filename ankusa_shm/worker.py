@@ -20,6 +20,7 @@ import uvloop
 
 from ankusa_shm import overrides
 from ankusa_shm.child import BootError, Life, settle_heap
+from ankusa_shm.clock import wall_ms
 from ankusa_shm.config import Config
 from ankusa_shm.credentials import MissingSecret, read_secret
 from ankusa_shm.fleet.admission import Fleet
@@ -32,7 +33,7 @@ from ankusa_shm.shm.procs import ProcessSlot
 from ankusa_shm.shm.segment import Segment
 from ankusa_shm.shm.turns import Turns
 from ankusa_shm.store import readers
-from ankusa_shm.store.writer import StoreError, Writer, wall_ms
+from ankusa_shm.store.writer import StoreError, Writer
 
 log = logging.getLogger("ankusa_shm.worker")
 

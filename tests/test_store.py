@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import pytest
 
 from ankusa_shm import config
+from ankusa_shm.clock import WallClock, wall_ms
 from ankusa_shm.config import ConfigError
 from ankusa_shm.hooks import AlreadyStored, CommitResult, Committed, NewHook, NotStored
 from ankusa_shm.store import readers, schema, writer
@@ -39,10 +40,8 @@ from ankusa_shm.store.writer import (
     UNAVAILABLE,
     OnCommit,
     StoreError,
-    WallClock,
     Writer,
     encode_headers,
-    wall_ms,
 )
 
 CHILD = str(Path(__file__).with_name("store_child.py"))

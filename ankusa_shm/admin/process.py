@@ -23,6 +23,7 @@ from ankusa_shm.admin.app import App
 from ankusa_shm.admin.consumer_api import CommitWatch, ConsumerApi
 from ankusa_shm.admin.stores import StoreCalls
 from ankusa_shm.child import BootError, Life, settle_heap
+from ankusa_shm.clock import wall_ms
 from ankusa_shm.config import Config
 from ankusa_shm.credentials import MissingSecret, read_secret
 from ankusa_shm.fleet.admission import Fleet
@@ -33,8 +34,6 @@ from ankusa_shm.shm.procs import ProcessSlot
 from ankusa_shm.shm.segment import Segment
 from ankusa_shm.shm.turns import Turns
 from ankusa_shm.store.schema import StoreError
-from ankusa_shm.store.writer import wall_ms
-from ankusa_shm.supervisor.sockets import ADMIN_BACKLOG
 
 log = logging.getLogger("ankusa_shm.admin")
 
@@ -87,7 +86,7 @@ async def _serve(
     watch = CommitWatch(CommitWord(seg.view, seg.layout))
     app = App(cfg, seg, fleet, store, ConsumerApi(store, watch), token)
     server = HttpServer(app, Limits.of(cfg.server), counters=slot.counters)
-    await server.start([sock], ADMIN_BACKLOG)
+    await server.start([sock], config.ADMIN_BACKLOG)
 
     life = Life(slot)
     life.start()

@@ -22,6 +22,7 @@ import logging
 import time
 from pathlib import Path
 
+from ankusa_shm import clock
 from ankusa_shm.config import Config
 from ankusa_shm.fleet.redis_client import RedisError
 from ankusa_shm.fleet.redis_store import RedisStore
@@ -61,7 +62,7 @@ class Repromoter:
 
     async def window(self, after_seq: int = 0) -> int | None:
         """``since`` the start of the longest dedupe window."""
-        return await self.since(time.time_ns() // 1_000_000 - self._window_ms, after_seq)
+        return await self.since(clock.wall_ms() - self._window_ms, after_seq)
 
     async def since(self, since_wall_ms: int, after_seq: int = 0) -> int | None:
         """Promote every keyed hook received since ``since_wall_ms`` (and committed after
@@ -90,8 +91,7 @@ class Repromoter:
 
     async def _send(self, hooks: list[readers.Claimed], sent: int) -> int | None:
         """One page's promotes, paced; how many, or None if a call failed."""
-        wall_ms = time.time_ns() // 1_000_000
-        now_ms = time.monotonic_ns() // 1_000_000
+        wall_ms, now_ms = clock.wall_ms(), clock.monotonic_ms()
         records = [
             Record(Op.PROMOTE, c.key, c.token, hook_id.encode(), c.ttl_ms, c.claimed_ms, now_ms)
             for c, hook_id in stored_claims(hooks, wall_ms, self._store.dedupe_key)
@@ -145,7 +145,7 @@ class Drops:
         deliveries work and the queue has room again, so promoting now is neither refused
         nor dropped behind. The moment is read before the counts: a drop the counts miss
         came after it."""
-        wall_ms = time.time_ns() // 1_000_000
+        wall_ms = clock.wall_ms()
         mended_ms = self._queue.mended_ms()
         unmended = self.unmended()
         if unmended <= 0 and mended_ms:

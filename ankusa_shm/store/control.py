@@ -23,11 +23,12 @@ from pathlib import Path
 from typing import TypeVar
 
 from ankusa_shm import config
+from ankusa_shm.clock import WallClock, wall_ms
 from ankusa_shm.limits import Limit
 from ankusa_shm.store import schema
 from ankusa_shm.store.lock import Queue, WriteLock
 from ankusa_shm.store.schema import StoreError
-from ankusa_shm.store.writer import CHECKPOINT_PAGES, WallClock, wall_ms
+from ankusa_shm.store.writer import CHECKPOINT_PAGES
 
 __all__ = ["Control"]
 

@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from ankusa_shm import config
+from ankusa_shm.clock import WallClock, wall_ms
 from ankusa_shm.hooks import AlreadyStored, CommitResult, Committed, Headers, NewHook, NotStored
 from ankusa_shm.store import schema
 from ankusa_shm.store.lock import Queue, WriteLock
@@ -92,13 +93,6 @@ _NEVER = 1 << 62
 OnCommit = Callable[[int, int, int], None]
 """Told of a committed transaction: its hooks, how long it waited for the writers' lock
 and how long it held it, in nanoseconds."""
-
-WallClock = Callable[[], int]
-"""Returns wall-clock milliseconds since the epoch; tests inject their own."""
-
-
-def wall_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 # Batched statements: one lookup of every key of the batch, then all its hook rows and all

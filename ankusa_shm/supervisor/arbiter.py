@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import setproctitle
 
 from ankusa_shm import child, config, fds, overrides
-from ankusa_shm.clock import monotonic_ms
+from ankusa_shm.clock import monotonic_ms, wall_ms
 from ankusa_shm.config import Config
 from ankusa_shm.shm import procs, requests
 from ankusa_shm.shm.counters import Counter, totals
@@ -164,7 +164,7 @@ class Arbiter:
             # stops here, before it has touched the segment of the one running.
             self._listeners = socks.Listeners(cfg.server.listen, cfg.server.backlog)
             if cfg.server.admin_listen:
-                (self._admin_socket,) = socks.bind([cfg.server.admin_listen], socks.ADMIN_BACKLOG)
+                (self._admin_socket,) = socks.bind([cfg.server.admin_listen], config.ADMIN_BACKLOG)
             self._seg = Segment.open_for_owner(
                 cfg.server.segment, make_params(cfg.fleet.settle_queue_size)
             )
@@ -734,9 +734,10 @@ class Arbiter:
             )
             return
         assert isinstance(epoch, dict)
-        wall_ms = time.time_ns() // 1_000_000
         try:
-            settled.write(cfg.store.path, wall_ms, monotonic_ms(), epoch, cfg.store.lock_timeout_ms)
+            settled.write(
+                cfg.store.path, wall_ms(), monotonic_ms(), epoch, cfg.store.lock_timeout_ms
+            )
         except StoreError as e:
             log.warning("%s", e)
             return
@@ -796,7 +797,7 @@ def _recovery_start(cfg: Config, crashed_ms: int | None = None) -> int:
     committed at most ``lock_timeout_ms`` after it was received, and a second more
     covers the transaction itself. ``crashed_ms`` is when the crash was (wall ms), if
     not just now."""
-    now_ms = time.time_ns() // 1_000_000
+    now_ms = wall_ms()
     return min(now_ms, crashed_ms or now_ms) - cfg.store.lock_timeout_ms - 1_000
 
 
@@ -816,7 +817,7 @@ def _last_heard_ms(seg: Segment) -> int | None:
     beat = _last_beat_ms(seg)
     if beat is None:
         return None
-    return time.time_ns() // 1_000_000 - (monotonic_ms() - beat)
+    return wall_ms() - (monotonic_ms() - beat)
 
 
 def _last_beat_ms(seg: Segment) -> int | None:

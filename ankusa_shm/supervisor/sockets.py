@@ -25,7 +25,6 @@ import os
 import socket
 
 SD_LISTEN_FDS_START = 3
-ADMIN_BACKLOG = 128  # the admin listener's: a few local clients, or a load balancer
 
 
 class BindError(Exception):
