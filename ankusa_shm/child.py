@@ -49,7 +49,7 @@ def die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def settle_heap() -> None:
+def freeze_heap() -> None:
     """Keep garbage collection off the request path's clock.
 
     Everything alive once start-up is done (modules, config, the segment's objects) lives

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import uvloop
 
 from ankusa_shm import overrides
-from ankusa_shm.child import BootError, Life, settle_heap
+from ankusa_shm.child import BootError, Life, freeze_heap
 from ankusa_shm.clock import wall_ms
 from ankusa_shm.config import Config
 from ankusa_shm.credentials import MissingSecret, read_secret
@@ -77,7 +77,7 @@ class Worker:
             return False
         if not hooks:  # nothing stored lately
             return True
-        queued = fleet.repromote(hooks, wall_ms())
+        queued = fleet.queue_promotes(hooks, wall_ms())
         log.info(
             "recovery: %d promotes queued for hooks stored since %s%s, whose settle a crash "
             "may have lost",
@@ -129,7 +129,7 @@ class Worker:
 
         life = Life(self._slot)
         life.start()
-        settle_heap()
+        freeze_heap()
         self._ready(recovered)
         graceful = await life.stopped()
         follow.cancel()

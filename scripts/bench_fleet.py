@@ -290,7 +290,7 @@ def _stall_worker(name: str, url: str, fleet_kw: dict[str, Any], seconds: float,
     cfg = make_config(name, url, "fleet", **fleet_kw)
     seg = Segment.attach(name)
     slot = procs.claim(seg.view, seg.layout, procs.Role.WORKER)
-    child.settle_heap()
+    child.freeze_heap()
     starts, lat = array("d"), array("d")
     refused = 0
 

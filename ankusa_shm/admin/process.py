@@ -22,7 +22,7 @@ from ankusa_shm import config, overrides
 from ankusa_shm.admin.app import App
 from ankusa_shm.admin.consumer_api import CommitWatch, ConsumerApi
 from ankusa_shm.admin.stores import StoreCalls
-from ankusa_shm.child import BootError, Life, settle_heap
+from ankusa_shm.child import BootError, Life, freeze_heap
 from ankusa_shm.clock import wall_ms
 from ankusa_shm.config import Config
 from ankusa_shm.credentials import MissingSecret, read_secret
@@ -94,7 +94,7 @@ async def _serve(
     retention = None
     if keep_ms is not None:
         retention = loop.create_task(_retention(store, cfg.store, keep_ms))
-    settle_heap()
+    freeze_heap()
     ready()
     graceful = await life.stopped()
     if retention is not None:

@@ -167,11 +167,13 @@ class Fleet:
     def promote(self, claim: Claim | None, hook_id: str) -> None:
         self._settler.promote(claim, hook_id)
 
-    def repromote(self, hooks: list[Claimed], wall_ms: int) -> int:
+    def queue_promotes(self, hooks: list[Claimed], wall_ms: int) -> int:
         """Queue a promote for each hook this host stored that is still in its window
         (``stored_claims``): the recovery after a worker died between a commit and its
         settle, which would leave the claim pending and let a retry on another host store
-        the event again. How many were queued."""
+        the event again. How many were queued. (Through the settle queue, as every
+        promote of a worker goes; ``fleet.repromote`` is the drainer's, sent to Redis
+        itself, for a whole window at a pace.)"""
         if not self._dedupe_fleet or self._store is None:
             return 0
         claims = stored_claims(hooks, wall_ms, self._store.dedupe_key)

@@ -370,10 +370,10 @@ def main(
     return 0
 
 
-def run_alone(cfg: Config, slot_index: int | None = None) -> int:
+def run_alone(cfg: Config) -> int:
     """``ankusa-shm drainer``: attach to a running service's segment and drain it."""
     with Segment.attach(cfg.server.segment) as seg:
-        slot = procs.claim(seg.view, seg.layout, Role.DRAINER, index=slot_index)
+        slot = procs.claim(seg.view, seg.layout, Role.DRAINER)
         try:
             return main(cfg, seg, slot)
         finally:

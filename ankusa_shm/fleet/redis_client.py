@@ -90,6 +90,7 @@ def pack(*args: Arg) -> bytes:
     return packed
 
 
+_REFRESH_INTERVAL_S = 0.5  # a cluster's slot map is read again on failures at most this often
 _LATE_S = 0.001  # a deadline timer firing fails every waiter due within this much after it
 
 
@@ -453,7 +454,7 @@ class ClusterClient:
     The slot map comes from ``CLUSTER SLOTS`` and is reloaded after a ``MOVED`` reply and
     after any node could not be reached: a primary that died is replaced by its replica,
     and only a fresh map says which. A reload after a failed node runs in the background
-    and at most once per ``refresh_interval_s`` (a dead node fails every call sent to it;
+    and at most once per ``_REFRESH_INTERVAL_S`` (a dead node fails every call sent to it;
     under load that must not become a reload per call), so the failed call returns at once
     and its caller answers node-local. Such a call is not repeated elsewhere: the node may
     have run it before the connection went. A redirected command is retried once. The
@@ -465,13 +466,11 @@ class ClusterClient:
         seed: Endpoint,
         *,
         stall_s: float = 2.0,
-        refresh_interval_s: float = 0.5,
         scripts: Sequence[bytes] = (),
     ) -> None:
         self._seed = seed
         self._stall_s = stall_s
         self._scripts = tuple(scripts)
-        self._refresh_interval_s = refresh_interval_s
         self._nodes: dict[tuple[str, int], Client] = {}
         # every node the last map named, replicas too: any of them can answer a reload
         self._peers: list[tuple[str, int]] = [(seed.host, seed.port)]
@@ -559,7 +558,7 @@ class ClusterClient:
     def _refresh_soon(self) -> None:
         """Start a background reload unless one started within the last interval."""
         now = time.monotonic()
-        if now - self._failure_refresh_at < self._refresh_interval_s:
+        if now - self._failure_refresh_at < _REFRESH_INTERVAL_S:
             return
         self._failure_refresh_at = now
         self._start_refresh()

@@ -10,7 +10,6 @@ commit has not left its claim pending.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from ankusa_shm.config import Config, Source
@@ -92,14 +91,12 @@ class RequestPath:
         writer: Writer,
         row: CounterRow,
         observer: Observer | None = None,
-        wall_s: Callable[[], float] = time.time,
     ) -> None:
         self._routes = routes(cfg)
         self._fleet = fleet
         self._writer = writer
         self._row = row
         self._observer = observer
-        self._wall_s = wall_s
 
     async def __call__(self, req: Request) -> Response:
         if not req.path.startswith(PREFIX):
@@ -111,7 +108,7 @@ class RequestPath:
             return UNKNOWN_SOURCE
         self._row.add(Counter.REQUESTS)
         headers = dict(req.headers)
-        now_s = self._wall_s()
+        now_s = time.time()
         if route.verifier is not None and not route.verifier.verify(headers, req.body, now_s):
             return BAD_SIGNATURE
         key = route.key_finder.find(headers, req.body) if route.key_finder else None

@@ -72,8 +72,9 @@ breaker's state word has no room for a start time; a zombie or dead probe owner 
 noticed, and a reused one lasts no longer than the probe timeout.
 
 Times are monotonic (CLOCK_MONOTONIC is one clock for every process on a host) in ms,
-or in microseconds for GCRA; wall-clock nanoseconds appear only in the header and in
-process start times, for people.
+or in microseconds for GCRA. The wall clock appears in the header and the process slots
+(nanoseconds, for people) and in the settle queue's ``Q_MENDED_MS`` (milliseconds, to
+compare with the store's received-at times).
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ H_VERSION = 8
 H_TOTAL_SIZE = 16
 H_READY = 24
 H_OWNER_PID = 32
-H_OWNER_BIRTH_NS = 40  # wall clock, ns: with the pid it tells one supervisor from the next
+H_OWNER_BIRTH_NS = 40  # wall clock, ns, when the owner took the segment: for people
 H_CREATED_NS = 48  # wall clock, ns, when the segment itself was created
 H_OWNER_START = 56  # the owner's start ticks: with H_OWNER_PID, who the owner is
 H_PARAMS = 64  # the Params fields, one word each, in declaration order

@@ -1,7 +1,9 @@
 """The writers' turn-taking lock: ``flock`` on ``<db>.lock``.
 
-Every process that writes the store -- the request workers' writers and the admin
-process's ``Control`` -- takes it from BEGIN IMMEDIATE to COMMIT. A waiter is woken the
+Every process that writes the store while it serves -- the request workers' writers and
+the admin process's ``Control`` -- takes it from BEGIN IMMEDIATE to COMMIT. (The
+supervisor's mark of a clean stop, ``settled.write``, comes once they have all stopped,
+and leaves the waiting to SQLite.) A waiter is woken the
 moment the holder lets go, which SQLite's sleeping busy handler cannot do, and a holder
 that dies lets go by dying.
 

@@ -202,14 +202,15 @@ def _create_private(path: str | Path) -> None:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
 
 
-def connect_ro(
-    path: str | Path, busy_timeout_ms: int = 1_000, *, any_thread: bool = False
-) -> sqlite3.Connection:
+_READ_BUSY_MS = 1_000  # a reader waits this long on the rare lock a WAL reader can meet
+
+
+def connect_ro(path: str | Path, *, any_thread: bool = False) -> sqlite3.Connection:
     """A read-only connection (``mode=ro``): it can never take the write lock.
     ``any_thread`` as for ``connect``."""
     uri = Path(path).absolute().as_uri() + "?mode=ro"
     conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=not any_thread)
-    conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+    conn.execute(f"PRAGMA busy_timeout = {_READ_BUSY_MS}")
     return conn
 
 

@@ -200,7 +200,7 @@ thread, right after its transaction, before anyone is answered (never raises).""
 Answers = list[tuple[asyncio.Future[Any], Any]]
 
 
-def _settle(answers: Answers) -> None:
+def _resolve(answers: Answers) -> None:
     """On the event loop: hand each waiting caller its answer (a cancelled one is gone)."""
     for future, answer in answers:
         if not future.done():
@@ -362,7 +362,7 @@ class Writer:
             self._ripe = max(0, self._ripe - len(gone))
             self.stats.expired += len(gone)
             next_ns = queue[0].submitted_ns + self._timeout_ns - now if queue else None
-        _settle(self._unavailable(gone))
+        _resolve(self._unavailable(gone))
         if next_ns is not None and self._loop is not None:
             delay = max(0.001, next_ns / 1e9)
             self._expiry = self._loop.call_later(delay, self._expire)
@@ -510,7 +510,7 @@ class Writer:
     def _hand_back(self, answers: Answers) -> None:
         if answers and self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop is closed: no one waits
-                self._loop.call_soon_threadsafe(_settle, answers)
+                self._loop.call_soon_threadsafe(_resolve, answers)
 
     def _write_batch(self) -> None:
         assert self._lock is not None
