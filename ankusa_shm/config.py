@@ -92,9 +92,16 @@ def _addresses(v: list[str]) -> str | None:
     return next((e for e in map(_address, v) if e), None)
 
 
+def split_address(address: str) -> tuple[str, int]:
+    """A checked ``host:port`` (``_address``) as the host, without an IPv6 literal's
+    brackets, and the port."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
 def is_loopback(address: str) -> bool:
     """Whether ``host:port`` binds only this host: 127.0.0.0/8, ::1 or localhost."""
-    host = address.rpartition(":")[0].strip("[]")
+    host = split_address(address)[0]
     if host == "localhost":
         return True
     try:

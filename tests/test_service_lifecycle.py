@@ -1046,7 +1046,9 @@ def test_a_hup_into_a_config_that_cannot_boot_then_a_fixed_one_keeps_serving(
     before = svc.pids("worker")
     svc.rewrite(NODE.replace('"GH_SECRET"', '"NO_SUCH_SECRET"'))
     svc.send(signal.SIGHUP)
-    time.sleep(0.02)
+    # Read before it is fixed (else both HUPs might read the fixed file and test nothing);
+    # its worker then booting, or just failed.
+    wait_until(lambda: "read; replacing workers" in svc.log(), what="the first HUP read")
     svc.rewrite(NODE)
     svc.send(signal.SIGHUP)
     assert svc.proc is not None

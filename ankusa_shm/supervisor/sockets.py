@@ -24,16 +24,13 @@ from __future__ import annotations
 import os
 import socket
 
+from ankusa_shm.config import split_address
+
 SD_LISTEN_FDS_START = 3
 
 
 class BindError(Exception):
     pass
-
-
-def split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
 
 
 class Listeners:
