@@ -33,15 +33,15 @@ from ankusa_shm import config
 from ankusa_shm.clock import WallClock, wall_ms
 from ankusa_shm.config import ConfigError
 from ankusa_shm.hooks import AlreadyStored, CommitResult, Committed, NewHook, NotStored
-from ankusa_shm.store import readers, schema, writer
+from ankusa_shm.store import inserts, readers, schema, writer
 from ankusa_shm.store.control import Control
+from ankusa_shm.store.inserts import encode_headers
 from ankusa_shm.store.writer import (
     SWEEP_ROWS,
     UNAVAILABLE,
     OnCommit,
     StoreError,
     Writer,
-    encode_headers,
 )
 
 CHILD = str(Path(__file__).with_name("store_child.py"))
@@ -299,7 +299,7 @@ def test_batches_decide_as_one_hook_at_a_time(
     up to 300: several statements of each size) and through the per-hook ones: every
     answer, the stored hooks in their order and the index are what deciding each hook
     alone, in order, gives."""
-    monkeypatch.setattr(writer, "_BATCHED", batched)
+    monkeypatch.setattr(inserts, "_BATCHED", batched)
     rng = random.Random(7)
     cfg = store_cfg(tmp_path, commit_wait_ms=20, max_batch=max_batch)
     index: dict[tuple[str, bytes], tuple[str, int]] = {}

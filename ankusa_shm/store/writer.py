@@ -24,14 +24,8 @@ may give up on them: a hook that has waited ``lock_timeout_ms`` is answered
 its sender was told it was not. (A commit whose caller is cancelled is not taken off: it
 may still be stored.)
 
-The thread's Python holds the GIL the worker's event loop needs, and every statement
-lets go of it and takes it back, so a batch costs a few statements, not a few per hook:
-one lookup of all its keys, then its hooks and its index rows as multi-row INSERTs,
-decided in between in Python exactly as one hook at a time would be (a key's first hook
-in the batch is stored, the later ones are AlreadyStored of it). Three statements per
-keyed hook, as before, remain for a batch of one, for SQLite older than 3.8.3 and to redo
-a batch in which some hook's id is taken. Headers are encoded without building a JSON
-encoder per hook.
+What a batch's transaction runs, and why it is as few statements as it is (each lets go
+of the GIL the worker's event loop needs, and takes it back), is in ``inserts``.
 
 Checkpoints run outside the lock. SQLite's automatic checkpoint runs inside the COMMIT
 that crosses its threshold, with the flock held, so every other writer process waited
@@ -58,14 +52,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from json.encoder import encode_basestring_ascii as _json_str
 from pathlib import Path
 from typing import Any
 
 from ankusa_shm import config
 from ankusa_shm.clock import WallClock, wall_ms
-from ankusa_shm.hooks import AlreadyStored, CommitResult, Committed, Headers, NewHook, NotStored
-from ankusa_shm.store import schema
+from ankusa_shm.hooks import CommitResult, NewHook, NotStored
+from ankusa_shm.store import inserts, schema
 from ankusa_shm.store.lock import Queue, WriteLock
 from ankusa_shm.store.schema import StoreError
 
@@ -77,13 +70,11 @@ __all__ = [
     "StoreError",
     "Writer",
     "WriterStats",
-    "encode_headers",
 ]
 
 log = logging.getLogger("ankusa_shm.store")
 
 UNAVAILABLE = NotStored("store_unavailable")
-DUPLICATE_ID = NotStored("duplicate_id")
 SWEEP_ROWS = 500  # index rows deleted per sweep transaction: a few ms of lock at most
 CHECKPOINT_PAGES = 2_000  # checkpoint once this writer has logged about this many pages
 WAL_LIMIT_FRAMES = 4_096  # a log this long (16 MiB of 4 KiB pages) is finished under the lock
@@ -95,42 +86,7 @@ OnCommit = Callable[[int, int, int], None]
 and how long it held it, in nanoseconds."""
 
 
-# Batched statements: one lookup of every key of the batch, then all its hook rows and all
-# its index rows, as multi-row statements of 1, 2, 4 ... _CHUNK rows (at most _CHUNK * 7
-# parameters, under SQLite's oldest limit of 999), so a batch costs a handful of statements
-# whatever its size. CROSS JOIN keeps the VALUES list the outer loop: the planner would
-# otherwise scan the index for ``(source, event_key) IN (VALUES ...)``. Needs 3.8.3 (VALUES
-# as a subquery); older SQLite takes the per-hook path, which is always correct.
-_BATCHED = sqlite3.sqlite_version_info >= (3, 8, 3)
-_CHUNK = 128
-_SIZES = tuple(1 << i for i in range(_CHUNK.bit_length()))
-_LOOKUP = {
-    n: "SELECT d.source, d.event_key, d.hook_id, d.expires_ms FROM (VALUES "
-    + ", ".join(["(?, ?)"] * n)
-    + ") AS k CROSS JOIN dedupe AS d ON d.source = k.column1 AND d.event_key = k.column2"
-    for n in _SIZES
-}
-_INSERT_HOOKS = {
-    n: "INSERT INTO hooks (id, tenant, source, event_key, received_ms, headers, body) VALUES "
-    + ", ".join(["(?, ?, ?, ?, ?, ?, ?)"] * n)
-    for n in _SIZES
-}
-_PUT_KEYS = {
-    n: "INSERT OR REPLACE INTO dedupe (source, event_key, hook_id, expires_ms) VALUES "
-    + ", ".join(["(?, ?, ?, ?)"] * n)
-    for n in _SIZES
-}
 _CHECKPOINT = "PRAGMA wal_checkpoint(PASSIVE)"
-# The per-hook statements: a batch of one, SQLite older than 3.8.3, and the redo of a
-# batch in which a hook's id was taken.
-_SELECT_KEY = "SELECT hook_id, expires_ms FROM dedupe WHERE source = ? AND event_key = ?"
-_INSERT_HOOK = (
-    "INSERT INTO hooks (id, tenant, source, event_key, received_ms, headers, body)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?)"
-)
-_PUT_KEY = (
-    "INSERT OR REPLACE INTO dedupe (source, event_key, hook_id, expires_ms) VALUES (?, ?, ?, ?)"
-)
 _SWEEP = (
     "DELETE FROM dedupe WHERE (source, event_key) IN"
     " (SELECT source, event_key FROM dedupe WHERE expires_ms <= ? LIMIT ?)"
@@ -158,30 +114,6 @@ class WriterStats:
     wal_frames: int = 0  # frames in the log at the last checkpoint (-1: another was running)
     longest_checkpoint_ms: float = 0.0  # the longest PASSIVE pass outside the lock
     longest_locked_ms: float = 0.0  # the longest the lock was held by a finishing pass
-
-
-def encode_headers(headers: Headers) -> str:
-    """The headers as stored: ``json.dumps(headers, separators=(",", ":"))``, the same text
-    (``ensure_ascii``) in under half the time, since ``dumps`` with any argument builds a new
-    encoder per call. A value that is not a ``str`` raises ``TypeError``."""
-    return "[" + ",".join([f"[{_json_str(n)},{_json_str(v)}]" for n, v in headers]) + "]"
-
-
-def _run_chunks(
-    conn: sqlite3.Connection, statements: dict[int, str], params: list[Any], width: int
-) -> None:
-    """Run ``params`` (``width`` per row) as multi-row statements, largest first."""
-    rows = len(params) // width
-    if rows in statements:  # most batches: one statement
-        conn.execute(statements[rows], params)
-        return
-    start, size = 0, _CHUNK
-    while rows:
-        while size > rows:
-            size >>= 1
-        end = start + size * width
-        conn.execute(statements[size], params[start:end])
-        start, rows = end, rows - size
 
 
 @dataclass(slots=True)
@@ -678,23 +610,8 @@ class Writer:
             hooks = len(batch)
         return late + batch, [UNAVAILABLE] * len(late) + results, hooks
 
-    def _insert(self, conn: sqlite3.Connection, hooks: Sequence[NewHook]) -> _Inserted:
-        """The hooks and their index rows, in order, so a key's first hook in the batch is
-        the one stored. The window starts when the hook is stored, as Redis's does.
-
-        A batch in which some hook's id is taken (a caller's bug) is rolled back -- it is
-        all the transaction holds -- and redone one hook at a time in a new one, which
-        tells that hook apart and leaves its key unclaimed. (Not a savepoint: every
-        statement under the lock is one more wait for the GIL, and this is never the
-        common case.) A lone hook takes the per-hook statements, which are fewer for it."""
-        now = self._wall()
-        if _BATCHED and len(hooks) > 1:
-            try:
-                return _insert_batched(conn, hooks, now)
-            except sqlite3.IntegrityError:
-                conn.execute("ROLLBACK")
-                conn.execute("BEGIN IMMEDIATE")
-        return _insert_each(conn, hooks, now)
+    def _insert(self, conn: sqlite3.Connection, hooks: Sequence[NewHook]) -> inserts.Inserted:
+        return inserts.insert(conn, hooks, self._wall())
 
     def _sweep_pass(self) -> int | None:
         """Delete up to ``SWEEP_ROWS`` expired index rows in one transaction; None if the
@@ -721,78 +638,3 @@ class Writer:
         with self._cond:
             waiters, self._sweep_waiters = self._sweep_waiters, []
         self._hand_back([(w, swept) for w in waiters])
-
-
-_Inserted = tuple[list[CommitResult], int, int, int]
-"""An insert's answers, how many were Committed and AlreadyStored, and the bytes stored."""
-
-
-def _insert_batched(conn: sqlite3.Connection, hooks: Sequence[NewHook], now: int) -> _Inserted:
-    """A few statements for the whole batch. The index as it stands is read once; the
-    batch's own claims are added to that copy as they are made, so every hook is decided
-    exactly as the per-hook path would decide it. Raises IntegrityError if an id is taken."""
-    keys: list[Any] = []
-    for h in hooks:
-        if h.event_key is not None:
-            keys += (h.source, h.event_key)
-    index: dict[tuple[str, bytes], tuple[str, int]] = {}
-    for start in range(0, len(keys), 2 * _CHUNK):
-        part = keys[start : start + 2 * _CHUNK]
-        n = len(part) // 2
-        padded = 1 << (n - 1).bit_length()
-        part += part[-2:] * (padded - n)  # pad to a prepared size with the last key again
-        for source, key, hook_id, expires in conn.execute(_LOOKUP[padded], part):
-            index[source, key] = (hook_id, expires)
-    results: list[CommitResult] = []
-    rows: list[Any] = []
-    claims: list[Any] = []
-    size = 0
-    for h in hooks:
-        key = h.event_key
-        if key is not None:
-            seen = index.get((h.source, key))
-            if seen is not None and seen[1] > now:
-                results.append(AlreadyStored(seen[0]))
-                continue
-            expires = now + h.dedupe_ttl_s * 1000
-            index[h.source, key] = (h.id, expires)
-            claims += (h.source, key, h.id, expires)
-        body = h.body
-        rows += (h.id, h.tenant, h.source, key, h.received_ms, encode_headers(h.headers), body)
-        size += len(body)
-        results.append(Committed(h.id))
-    if rows:
-        _run_chunks(conn, _INSERT_HOOKS, rows, 7)
-    if claims:
-        _run_chunks(conn, _PUT_KEYS, claims, 4)
-    committed = len(rows) // 7
-    return results, committed, len(hooks) - committed, size
-
-
-def _insert_each(conn: sqlite3.Connection, hooks: Sequence[NewHook], now: int) -> _Inserted:
-    """Three statements per keyed hook: look the key up, insert the hook, claim the key."""
-    results: list[CommitResult] = []
-    committed = already = size = 0
-    for h in hooks:
-        if h.event_key is not None:
-            row = conn.execute(_SELECT_KEY, (h.source, h.event_key)).fetchone()
-            if row is not None and row[1] > now:
-                results.append(AlreadyStored(row[0]))
-                already += 1
-                continue
-        headers = encode_headers(h.headers)
-        try:
-            conn.execute(
-                _INSERT_HOOK,
-                (h.id, h.tenant, h.source, h.event_key, h.received_ms, headers, h.body),
-            )
-        except sqlite3.IntegrityError:  # the id is taken: a caller's bug, not the store's
-            results.append(DUPLICATE_ID)
-            continue
-        if h.event_key is not None:
-            expires = now + h.dedupe_ttl_s * 1000
-            conn.execute(_PUT_KEY, (h.source, h.event_key, h.id, expires))
-        results.append(Committed(h.id))
-        committed += 1
-        size += len(h.body)
-    return results, committed, already, size
