@@ -46,15 +46,13 @@ from dataclasses import dataclass, field
 import setproctitle
 
 from ankusa_shm import child, config, fds, overrides
-from ankusa_shm.clock import monotonic_ms, wall_ms
+from ankusa_shm.clock import monotonic_ms
 from ankusa_shm.config import Config
 from ankusa_shm.shm import procs, requests
-from ankusa_shm.shm.counters import Counter, totals
 from ankusa_shm.shm.procs import Role
 from ankusa_shm.shm.segment import Segment, make_params
 from ankusa_shm.shm.settle_queue import SettleQueue
-from ankusa_shm.store import settled
-from ankusa_shm.store.schema import StoreError
+from ankusa_shm.supervisor import recovery
 from ankusa_shm.supervisor import sockets as socks
 from ankusa_shm.supervisor.notify import Notifier
 
@@ -147,7 +145,7 @@ class Arbiter:
         # queue holds, or a crash recovery still owed: every recovery was done whole (it
         # reads at most half a queue, and may fail), and no worker or drainer was killed
         # stopping. A graceful stop that ends so, with the queue empty and no recovery
-        # owed, is kept in the store (``_keep_settled``).
+        # owed, is kept in the store (``recovery.keep_settled``).
         self._settles_clean = True
         self._wake_r, self._wake_w = -1, -1
 
@@ -170,10 +168,10 @@ class Arbiter:
             )
             self._queue = SettleQueue(self._seg.view, self._seg.buf, self._seg.layout)
             if self._seg.header().created_ns < began_ns:  # re-attached: its owner may have died
-                if _stopped_settled(cfg, self._seg):
+                if recovery.stopped_settled(cfg, self._seg):
                     log.info("the last stop left every hook settled: no recovery owed")
                 else:
-                    self._recover_from(_recovery_start(cfg, _last_heard_ms(self._seg)))
+                    self._recover_from(recovery.start(cfg, recovery.last_heard_ms(self._seg)))
             # A new one: what an earlier segment held queued (lost with a reboot, or with a
             # segment replaced on upgrade) is unknown, and its drainer promotes again what
             # was stored since the last stop that left every hook settled, or the whole
@@ -398,7 +396,7 @@ class Arbiter:
             return  # started again only once that consumer is gone (``_drainer_elsewhere``)
         log.warning("%s %d died (%s); starting another", c.kind.value, c.pid, how)
         if c.kind is Kind.WORKER:
-            self._recover_from(_recovery_start(c.cfg))
+            self._recover_from(recovery.start(c.cfg))
         self._back_off(c.kind, young=time.monotonic() - c.started < YOUNG_S)
 
     def _recover_from(self, since_ms: int) -> None:
@@ -701,47 +699,17 @@ class Arbiter:
         return False
 
     def _keep_settled(self) -> None:
-        """Every child gone after a graceful stop: if nothing is owed to the fleet, keep
-        the moment in the store, so that the next start need not promote again what this
-        host stored before it (``store.settled``)."""
-        cfg, seg, queue = self.cfg, self._seg, self._queue
-        if "dedupe" not in cfg.fleet_kinds or seg is None or queue is None:
-            return
-        t = totals(seg.view, seg.layout)
-        epoch = seg.blob("epoch").read()
-        depth = queue.depth()
-        owed = [
-            why
-            for why, yes in (
-                ("a crash recovery not done whole, or a child killed", not self._settles_clean),
-                ("a crash recovery still owed", self._recover_since_ms is not None),
-                ("another process drained the queue", self._other_drainer is not None),
-                (f"{depth} settle operations still queued", depth > 0),
-                (
-                    "dropped promotes not yet made good",
-                    t[Counter.SETTLE_DROPPED] > t[Counter.SETTLE_DROPS_RECOVERED],
-                ),
-                ("a new segment's promotes not all sent", not queue.mended_ms()),
-                ("the fleet's epoch never read", not (isinstance(epoch, dict) and epoch)),
+        """Every child gone after a graceful stop: keep the moment in the store if nothing
+        is owed to the fleet (``recovery.keep_settled``)."""
+        if self._seg is not None and self._queue is not None:
+            recovery.keep_settled(
+                self.cfg,
+                self._seg,
+                self._queue,
+                clean=self._settles_clean,
+                recovery_owed=self._recover_since_ms is not None,
+                other_drainer=self._other_drainer is not None,
             )
-            if yes
-        ]
-        if owed:
-            log.info(
-                "not every hook is known settled in Redis (%s): a start on a new segment"
-                " promotes again what was stored since the last stop that left them all",
-                "; ".join(owed),
-            )
-            return
-        assert isinstance(epoch, dict)
-        try:
-            settled.write(
-                cfg.store.path, wall_ms(), monotonic_ms(), epoch, cfg.store.lock_timeout_ms
-            )
-        except StoreError as e:
-            log.warning("%s", e)
-            return
-        log.info("every hook stored is settled in Redis: kept in the store for the next start")
 
 
 def _free_lane(workers: list[Child], target: int) -> int:
@@ -790,45 +758,6 @@ def _keep_restart_only(old: Config, new: Config) -> Config:
         if before != after:
             log.warning("HUP: %s changed; it takes effect at the next restart", name)
     return dataclasses.replace(new, server=server, fleet=fleet, store=store)
-
-
-def _recovery_start(cfg: Config, crashed_ms: int | None = None) -> int:
-    """Wall ms from which a crashed worker's commits may be unsettled: a hook is
-    committed at most ``lock_timeout_ms`` after it was received, and a second more
-    covers the transaction itself. ``crashed_ms`` is when the crash was (wall ms), if
-    not just now."""
-    now_ms = wall_ms()
-    return min(now_ms, crashed_ms or now_ms) - cfg.store.lock_timeout_ms - 1_000
-
-
-def _stopped_settled(cfg: Config, seg: Segment) -> bool:
-    """Whether the last supervisor on this segment stopped with every hook settled, after
-    its workers were last heard from: a mark of this boot, later than every heartbeat."""
-    mark = settled.read(cfg.store.path)
-    if mark is None or not mark.boot or mark.boot != settled.boot_id():
-        return False
-    return mark.mono_ms >= (_last_beat_ms(seg) or 0)
-
-
-def _last_heard_ms(seg: Segment) -> int | None:
-    """When the last supervisor's workers were last heard from, on the wall clock: their
-    latest heartbeat (monotonic, so it keeps across processes) moved to it. A restart
-    that comes long after a crash must still look back from the crash."""
-    beat = _last_beat_ms(seg)
-    if beat is None:
-        return None
-    return wall_ms() - (monotonic_ms() - beat)
-
-
-def _last_beat_ms(seg: Segment) -> int | None:
-    """The latest heartbeat (monotonic ms) of the workers gone from ``seg``."""
-    worker = Role.WORKER.name.lower()
-    beats = [
-        p.heartbeat_ms
-        for p in procs.read(seg.view, seg.layout)
-        if p.role == worker and not p.alive and p.heartbeat_ms
-    ]
-    return max(beats, default=None)
 
 
 def _kill(pid: int, sig: int) -> None:
