@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import cannot_run
 from load_client import GITHUB_SOURCE, SECRET, signed
 from prometheus_client.openmetrics import parser as om_parser
 from prometheus_client.parser import text_string_to_metric_families
@@ -220,14 +221,14 @@ def test_readyz_fails_while_the_store_cannot_commit(make: Callable[..., Service]
     assert "fleet" not in ready["checks"]  # node scope: no fleet check at all
 
     if shutil.which("chattr") is None:
-        pytest.skip("chattr is not installed (e2fsprogs)")
+        cannot_run("chattr is not installed (e2fsprogs)")
     # The db and -wal files only: the -shm file is mapped, and an immutable one is SIGBUS.
     files = [svc.store_path, Path(f"{svc.store_path}-wal")]
     assert all(f.exists() for f in files)
     try:
         made = _chattr("+i", files)
         if made.returncode != 0:
-            pytest.skip(f"chattr +i is not permitted here: {made.stderr.strip()}")
+            cannot_run(f"chattr +i is not permitted here: {made.stderr.strip()}")
         wait_until(lambda: admin_json(svc, "GET", "/readyz")[0] == 503, 3.0, "readyz 503")
         status, ready = admin_json(svc, "GET", "/readyz")
         assert status == 503 and ready["ready"] is False

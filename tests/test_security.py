@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import cannot_run
 from load_client import GITHUB_SOURCE, SECRET, Load, signed
 from proc_helpers import run_children
 from redis_server import RedisServer
@@ -85,7 +86,7 @@ def _as_nobody(_: int, name: str) -> str:
 
 def _need_root() -> None:
     if os.getuid() != 0:
-        pytest.skip("needs root, to become a second user (uid 65534) in a child")
+        cannot_run("needs root, to become a second user (uid 65534) in a child")
 
 
 def test_another_user_can_neither_write_nor_read_the_segment(seg: Segment) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from conftest import cannot_run
 from load_client import GITHUB_SOURCE, SECRET, Load, signed
 from redis_server import RedisServer
 from service import Service
@@ -849,10 +850,11 @@ def listen_backlogs(port: int) -> list[int]:
     return sorted(int(line.split()[2]) for line in out.splitlines())
 
 
-@pytest.mark.skipif(shutil.which("ss") is None, reason="ss is not installed (iproute2)")
 def test_the_listeners_keep_the_configured_backlog(make: list[Service], tmp_path: Path) -> None:
     """The event loop listens on each socket again when it starts serving on it, with its
     own default of 100 unless told: server.backlog must survive that."""
+    if shutil.which("ss") is None:
+        cannot_run("ss is not installed (iproute2)")
     svc = service(make, tmp_path, server={"backlog": 1234}).start()
     wait_until(lambda: listening_sockets(svc.port) == 2, what="both lanes listening")
     assert listen_backlogs(svc.port) == [1234, 1234]

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from conftest import cannot_run
 from test_store import T0, Child, FakeWall, hook, run, started, store_cfg
 
 from ankusa_shm import config
@@ -407,7 +408,7 @@ def test_probe_fails_on_an_immutable_store_then_recovers(tmp_path: Path) -> None
     """``chattr +i`` binds root too, where chmod would not. Only the db and -wal files:
     the -shm file is mapped, and making it immutable kills the process with SIGBUS."""
     if shutil.which("chattr") is None:
-        pytest.skip("chattr is not installed (e2fsprogs)")
+        cannot_run("chattr is not installed (e2fsprogs)")
     cfg = store_cfg(tmp_path)
     files = [cfg.path, cfg.path + "-wal"]
     with control(cfg) as c:
@@ -415,7 +416,7 @@ def test_probe_fails_on_an_immutable_store_then_recovers(tmp_path: Path) -> None
         made = _chattr("+i", files)
         if made.returncode != 0:
             _chattr("-i", files)
-            pytest.skip(f"chattr +i is not permitted here: {made.stderr.strip()}")
+            cannot_run(f"chattr +i is not permitted here: {made.stderr.strip()}")
         try:
             for _ in range(2):  # on the open connection, then on a reopened one
                 with pytest.raises(StoreError) as e:
