@@ -233,12 +233,13 @@ def test_a_request_without_one_good_host_is_400_after_the_answers_before_it(
     svc: Service, host: bytes
 ) -> None:
     """RFC 9112 3.2: an HTTP/1.1 request without a Host field, or with two or a malformed
-    one, is 400; one pipelined before it is answered and stored, none after it is read."""
+    one, is 400; one pipelined before it is answered and stored, none after it is read.
+    (Whitespace after a value is not part of it, RFC 9110 5.5.)"""
     first, second, third = (b'{"n":%d}' % n for n in (1, 2, 3))
     keys = [f"host-{uuid.uuid4()}" for _ in range(3)]
     out = raw(
         svc,
-        signed_request(first, keys[0], host="edge.example:8080")
+        signed_request(first, keys[0], host="edge.example:8080 \t")  # not the value's: OWS
         + signed_request(second, keys[1]).replace(b"host: x\r\n", host)
         + signed_request(third, keys[2]),
     )

@@ -293,6 +293,26 @@ def test_a_hook_whose_client_hangs_up_during_its_admission_is_finished(
     assert svc.stop() == 0
 
 
+def test_a_hook_whose_client_hangs_up_as_the_service_stops_is_stored(
+    make: list[Service], tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """As above, with TERM right after the reset: the graceful stop waits for the request
+    as for a connection (it dropped out of the connections the stop waited on, and the
+    worker closed its store under it), and the hook is stored before the worker exits."""
+    svc = service(make, tmp_path, fleet_config(redis_server, timeout_ms=3000)).start()
+    body = b'{"hung_up":2}'
+    headers = {**signed(body, "hung-up-stop"), "host": "edge", "content-length": str(len(body))}
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    redis_server.client().client_pause(600, all=False)
+    with socket.create_connection(("127.0.0.1", svc.port)) as s:
+        s.sendall(f"POST /hooks/github HTTP/1.1\r\n{head}\r\n".encode() + body)
+        time.sleep(0.2)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    svc.send(signal.SIGTERM)
+    assert svc.proc is not None and svc.proc.wait(30) == 0
+    assert readers.count(svc.store_path) == 1, svc.log()
+
+
 def _answer(sock: socket.socket) -> bytes:
     got = b""
     while chunk := sock.recv(65536):

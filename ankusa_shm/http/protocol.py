@@ -203,7 +203,6 @@ class Connection(asyncio.Protocol):
         self._expect_idle()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._server.connections.discard(self)
         self._server.idle.pop(self, None)
         self._transport = None
         self._can_write.set()
@@ -211,8 +210,11 @@ class Connection(asyncio.Protocol):
         # one being handled is finished, its answer unsent. Cancelled, a hook admitted but
         # not yet committed left its claim pending in Redis, and the client's retry was
         # refused 409 until the claim expired; finished, it is stored, and the retry is
-        # its duplicate.
+        # its duplicate. Until it is, the connection still counts: a graceful stop waits
+        # for it, and it holds its place under ``max_connections``.
         self._pipeline.clear()
+        if self._task is None:
+            self._server.connections.discard(self)
 
     def data_received(self, data: bytes) -> None:
         self._server.idle.pop(self, None)  # not idle: may not be closed to make room
@@ -322,7 +324,7 @@ class Connection(asyncio.Protocol):
                     raise _Reject(413, "too_large")
             elif key == "host":
                 hosts += 1
-                if hosts > 1 or _HOST.fullmatch(text) is None:
+                if hosts > 1 or _HOST.fullmatch(text.strip(" \t")) is None:
                     raise _Reject(400, "bad_host")
             elif key == "expect":
                 expect = text.lower() == "100-continue"
@@ -399,6 +401,8 @@ class Connection(asyncio.Protocol):
                     await self._can_write.wait()
         finally:
             self._task = None
+            if self._transport is None:  # its client is gone: now so is the connection
+                self._server.connections.discard(self)
         if self._transport is None:
             return
         if self._refusal is not None:

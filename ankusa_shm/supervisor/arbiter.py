@@ -295,7 +295,11 @@ class Arbiter:
         # kept a new worker serving through a stop). Blocked across the fork, it waits for
         # the child's handlers (``child.run``).
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, _HANDLED)
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError:  # EAGAIN: the task limit
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            raise
         if pid == 0:
             os.close(ready_r)
             self._in_child(kind, ready_w, lane, recover)
