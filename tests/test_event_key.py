@@ -38,7 +38,8 @@ def test_no_dedupe_spec_no_finder() -> None:
         ("github", "x-github-delivery"),
         ("standard_webhooks", "webhook-id"),
         ("svix", "svix-id"),
-        ("shopify", "x-shopify-webhook-id"),
+        ("shopify", "x-shopify-event-id"),
+        ("shopify", "x-shopify-webhook-id"),  # sent without an event id
     ],
 )
 def test_header_presets(preset: str, header: str) -> None:
@@ -47,6 +48,16 @@ def test_header_presets(preset: str, header: str) -> None:
         b"72d3162e-cc78-11e3-81ab-4c9367dc0958"
     )
     assert f.find({"x-other": "1"}, b'{"id": "evt_1"}') is None
+
+
+def test_shopify_keys_on_the_event_id_before_the_webhook_id() -> None:
+    """Shopify's guide to duplicates names ``X-Shopify-Event-Id``: the same event sent to
+    two subscriptions carries two webhook ids and one event id."""
+    f = finder({"preset": "shopify"})
+    one = {"x-shopify-event-id": "ev-42", "x-shopify-webhook-id": "wh-1"}
+    two = {"x-shopify-event-id": "ev-42", "x-shopify-webhook-id": "wh-2"}
+    assert f.find(one, b"{}") == f.find(two, b"{}") == b"ev-42"
+    assert f.find({"x-shopify-event-id": " ", "x-shopify-webhook-id": "wh-1"}, b"{}") == b"wh-1"
 
 
 def test_stripe_preset_is_the_event_id_in_the_body() -> None:

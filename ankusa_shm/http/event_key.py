@@ -26,22 +26,23 @@ class KeyFinder(Protocol):
 
 
 class HeaderKey:
-    """The key is one header's value, without surrounding whitespace."""
+    """The key is a header's value, without surrounding whitespace: the first of
+    ``names`` the hook carries (a provider's newer id, then the one it sent before)."""
 
-    __slots__ = ("_name",)
+    __slots__ = ("_names",)
 
-    def __init__(self, name: str) -> None:
-        self._name = name.lower()
+    def __init__(self, *names: str) -> None:
+        self._names = tuple(n.lower() for n in names)
 
     def find(self, headers: Mapping[str, str], body: bytes) -> bytes | None:
-        value = headers.get(self._name)
-        if value is None:
-            return None
-        value = value.strip()
-        return _encode(value) if value else None
+        for name in self._names:
+            value = headers.get(name)
+            if value is not None and (value := value.strip()):
+                return _encode(value)
+        return None
 
     def __repr__(self) -> str:
-        return f"HeaderKey({self._name!r})"
+        return f"HeaderKey({', '.join(map(repr, self._names))})"
 
 
 class JsonPathKey:
@@ -87,7 +88,9 @@ PRESETS: Mapping[config.DedupePreset, KeyFinder] = {
     "github": HeaderKey("x-github-delivery"),
     "standard_webhooks": HeaderKey("webhook-id"),
     "svix": HeaderKey("svix-id"),
-    "shopify": HeaderKey("x-shopify-webhook-id"),
+    # The event's id, which Shopify names as the mark of a duplicate (one event sent to
+    # several subscriptions, or sent again); its webhook id where it sends none.
+    "shopify": HeaderKey("x-shopify-event-id", "x-shopify-webhook-id"),
     "stripe": JsonPathKey("id"),
 }
 """Where each provider puts the id that stays the same when it delivers an event again."""
