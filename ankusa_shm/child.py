@@ -24,7 +24,7 @@ from typing import NoReturn
 import setproctitle
 
 from ankusa_shm.clock import monotonic_ms
-from ankusa_shm.shm.procs import NoFreeSlot, ProcessSlot
+from ankusa_shm.shm.procs import NoFreeSlot, ProcessSlot, SlotState
 
 log = logging.getLogger("ankusa_shm.child")
 
@@ -66,7 +66,8 @@ class Life:
     SIGQUIT to stop now (``hurry`` is set, also when a graceful stop is under way), and
     its heartbeat goes into its slot every ``HEARTBEAT_S`` from the loop itself -- so a
     fresh heartbeat proves the loop turns. A child whose parent is gone stops too
-    (PR_SET_PDEATHSIG normally kills it first)."""
+    (PR_SET_PDEATHSIG normally kills it first). Stopping, its slot says so: a worker
+    that drains no longer accepts, and readiness must not count it."""
 
     def __init__(self, slot: ProcessSlot) -> None:
         self._slot = slot
@@ -77,7 +78,7 @@ class Life:
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, self._stop.set)
+        loop.add_signal_handler(signal.SIGTERM, self._stopping)
         loop.add_signal_handler(signal.SIGINT, self._now)
         loop.add_signal_handler(signal.SIGQUIT, self._now)
         self._beat = loop.create_task(self._heartbeat(os.getppid()))
@@ -89,16 +90,20 @@ class Life:
             self._beat.cancel()
         return self.graceful
 
+    def _stopping(self) -> None:
+        self._slot.set_state(SlotState.STOPPING)
+        self._stop.set()
+
     def _now(self) -> None:
         self.graceful = False
         self.hurry.set()
-        self._stop.set()
+        self._stopping()
 
     async def _heartbeat(self, parent: int) -> None:
         while True:
             self._slot.heartbeat(monotonic_ms())
             if os.getppid() != parent:
-                self._stop.set()
+                self._stopping()
             await asyncio.sleep(HEARTBEAT_S)
 
 

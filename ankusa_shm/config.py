@@ -25,6 +25,7 @@ from typing import Any, Literal
 from ankusa_shm.limits import Limit
 from ankusa_shm.redis_url import parse_url
 from ankusa_shm.shm.layout import MAX_NAME
+from ankusa_shm.shm.requests import OVERFLOW_LABEL
 
 Scope = Literal["node", "fleet"]
 ADMIN_BACKLOG = 128  # the admin listener's: a few local clients, or a load balancer
@@ -73,6 +74,12 @@ def name_problem(v: str) -> str | None:
     if _NAME.match(v):
         return None
     return f"must be 1-{MAX_NAME} characters of A-Z a-z 0-9 _ . -, not only dots"
+
+
+def _source_id(v: str) -> str | None:
+    if v == OVERFLOW_LABEL:  # its requests would be counted with those of the overflow
+        return f"{v!r} is the metrics' label for sources past their table"
+    return name_problem(v)
 
 
 def _address(v: str) -> str | None:
@@ -419,7 +426,7 @@ class SourceDedupe:
 
 @dataclass(frozen=True)
 class Source:
-    id: str = required("Path segment: POST /hooks/{id}.", name_problem)
+    id: str = required("Path segment: POST /hooks/{id}.", _source_id)
     tenant: str = required("Tenant whose rate limit this source draws on.", name_problem)
     verify: Verify = setting(Verify(), "Signature verification.")
     dedupe: SourceDedupe | None = setting(None, "How the event key is found.")

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -211,6 +212,28 @@ def _chattr(flag: str, files: list[Path]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["chattr", flag, *map(str, files)], capture_output=True, text=True)
 
 
+def test_readyz_fails_once_the_workers_are_told_to_stop(make: Callable[..., Service]) -> None:
+    """A graceful stop closes the hook listeners and the workers drain (one held here by a
+    client that never sends its body). The admin process, stopped last, answered 200 all
+    the while, and a load balancer kept sending hooks to a port that refused them."""
+    svc = make(server={"graceful_timeout_s": 6.0}).start()
+    assert admin_json(svc, "GET", "/readyz")[0] == 200
+    stuck = socket.create_connection(("127.0.0.1", svc.port), timeout=30)
+    stuck.sendall(b"POST /hooks/demo HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\n{}")
+    time.sleep(0.3)
+    svc.send(signal.SIGTERM)
+    answers: list[tuple[int, Any]] = []
+
+    def unready() -> bool:
+        answers.append(admin_json(svc, "GET", "/readyz"))
+        return answers[-1][0] == 503
+
+    wait_until(unready, 3.0, "readiness failed while the workers drain")
+    assert answers[-1][1]["checks"]["workers"] == {"ok": False, "serving": 0, "stale": []}
+    stuck.close()
+    assert svc.proc is not None and svc.proc.wait(30) == 0
+
+
 def test_readyz_fails_while_the_store_cannot_commit(make: Callable[..., Service]) -> None:
     svc = make().start()
     status, ready = admin_json(svc, "GET", "/readyz")
@@ -296,6 +319,27 @@ def test_an_override_reaches_every_worker_and_outlives_a_restart(
     assert admin_json(svc, "DELETE", path) == (404, {"error": "no_override"})
     time.sleep(1.0)  # the same promise: within a second
     assert burst_from_fresh_connections(svc, 6) == [201] * 6
+
+
+def test_an_override_of_a_tenant_no_source_names_any_more_can_be_seen_and_deleted(
+    make: Callable[..., Service],
+) -> None:
+    """It stays in the store, and would apply again if a source named its tenant again;
+    GET and DELETE answered 404 unknown_tenant for it, so it could not be taken back."""
+    svc = make().start()
+    path = "/v1/tenants/acme/rate-limit"  # github's tenant
+    assert admin_json(svc, "PUT", path, {"rate": 0.1, "burst": 1})[0] == 200
+    admins = svc.pids("admin")
+    svc.rewrite("[rate_limits]\ndefault = { rate = 1000, burst = 1000 }\n" + DEMO_SOURCE)
+    svc.send(signal.SIGHUP)
+    wait_until(lambda: svc.pids("admin") not in ([], admins), 10.0, "the admin process replaced")
+    assert admin_json(svc, "GET", path) == (
+        200,
+        {"tenant": "acme", "rate": 0.1, "burst": 1, "source": "override"},
+    )
+    assert admin_json(svc, "DELETE", path)[0] == 200
+    assert admin_json(svc, "GET", path) == (404, {"error": "unknown_tenant"})
+    assert admin_json(svc, "DELETE", path) == (404, {"error": "unknown_tenant"})
 
 
 @pytest.mark.parametrize(

@@ -178,6 +178,8 @@ def test_wrong_type_names_the_key(tmp_path: Path, text: str, key: str) -> None:
         ("[fleet]\ntimeout_ms = 0\n", "fleet.timeout_ms"),
         ("[rate_limits]\ndefault = { rate = 1, burst = 0 }\n", "rate_limits.default.burst"),
         ('[server]\nsegment = ".."\n', "server.segment"),  # a POSIX name it cannot be
+        # the metrics' row for sources past their table: counted together with those
+        ('[[sources]]\nid = "_overflow"\ntenant = "t"\n', "sources[0].id"),
         # one heartbeat a second: a timeout of 1 aborts a healthy worker whose turn is late
         ("[server]\nheartbeat_timeout_s = 1\n", "server.heartbeat_timeout_s"),
     ],

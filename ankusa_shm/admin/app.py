@@ -176,10 +176,10 @@ class App:
     def _workers(self) -> dict[str, Any]:
         limit_ms = self._cfg.server.heartbeat_timeout_s * 1000
         now = monotonic_ms()
-        alive = [
+        alive = [  # a worker told to stop no longer accepts: not counted
             p
             for p in procs.read(self._seg.view, self._seg.layout)
-            if p.role == "worker" and p.alive
+            if p.role == "worker" and p.alive and p.state != "stopping"
         ]
         stale = [p.pid for p in alive if now - p.heartbeat_ms > limit_ms]
         serving = len(alive) - len(stale)
@@ -188,10 +188,12 @@ class App:
     # -- tenant rate limits -------------------------------------------------------------
 
     async def _get_limit(self, req: Request, args: list[str]) -> Response:
+        """A tenant no source names any more is still shown while an override of it is
+        kept: it would apply again if a source named it again."""
         (tenant,) = args
-        if tenant not in self._tenants:
-            return reply(404, {"error": "unknown_tenant"})
         stored = await self._store.read(lambda r: r.overrides())
+        if tenant not in self._tenants and tenant not in stored:
+            return reply(404, {"error": "unknown_tenant"})
         return reply(200, self._effective(tenant, stored))
 
     async def _put_limit(self, req: Request, args: list[str]) -> Response:
@@ -215,12 +217,12 @@ class App:
         )
 
     async def _delete_limit(self, req: Request, args: list[str]) -> Response:
+        """Any kept override can be deleted, also of a tenant no source names any more."""
         (tenant,) = args
-        if tenant not in self._tenants:
-            return reply(404, {"error": "unknown_tenant"})
         async with self._overriding:
             if not await self._store.write(lambda c: c.delete_override(tenant)):
-                return reply(404, {"error": "no_override"})
+                known = tenant in self._tenants
+                return reply(404, {"error": "no_override" if known else "unknown_tenant"})
             stored = await self._publish_and_reset(tenant)
         log.info("rate limit override of %s deleted", tenant)
         return reply(200, self._effective(tenant, stored))
