@@ -186,6 +186,7 @@ class Connection(asyncio.Protocol):
         self._headers: list[tuple[str, str]] = []
         self._header_bytes = 0
         self._expect_continue = False  # its 100 Continue waits for earlier answers
+        self._host = ""  # the last Host value found good: a kept-alive client repeats it
         self._body: list[bytes] = []
         self._body_bytes = 0
         self._deadline = 0.0  # monotonic seconds; 0 when none applies
@@ -324,8 +325,12 @@ class Connection(asyncio.Protocol):
                     raise _Reject(413, "too_large")
             elif key == "host":
                 hosts += 1
-                if hosts > 1 or _HOST.fullmatch(text.strip(" \t")) is None:
+                if hosts > 1:
                     raise _Reject(400, "bad_host")
+                if text != self._host:
+                    if _HOST.fullmatch(text.strip(" \t")) is None:
+                        raise _Reject(400, "bad_host")
+                    self._host = text
             elif key == "expect":
                 expect = text.lower() == "100-continue"
             elif key == "transfer-encoding":
