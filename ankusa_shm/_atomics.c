@@ -52,20 +52,22 @@ typedef struct {
 static int64_t *
 word_at(AtomicView *self, PyObject *arg, int for_write)
 {
-    if (!self->held) {
-        PyErr_SetString(PyExc_ValueError, "AtomicView is released");
-        return NULL;
-    }
-    if (for_write && !self->writable) {
-        PyErr_SetString(PyExc_TypeError, "AtomicView is read-only");
-        return NULL;
-    }
+    /* Converted before the view is looked at: an __index__ may release it. Callers
+       convert their other arguments before calling this, for the same reason. */
     Py_ssize_t off = PyLong_AsSsize_t(arg);
     if (off == -1 && PyErr_Occurred()) {
         if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
             PyErr_Clear();
             PyErr_SetString(PyExc_IndexError, "offset outside any buffer");
         }
+        return NULL;
+    }
+    if (!self->held) {
+        PyErr_SetString(PyExc_ValueError, "AtomicView is released");
+        return NULL;
+    }
+    if (for_write && !self->writable) {
+        PyErr_SetString(PyExc_TypeError, "AtomicView is read-only");
         return NULL;
     }
     if (off < 0 || off > self->view.len - 8) {
@@ -79,6 +81,14 @@ word_at(AtomicView *self, PyObject *arg, int for_write)
         return NULL;
     }
     return (int64_t *)p;
+}
+
+/* Whether the word at ``base`` is not 8-byte aligned in memory (the buffer's own start
+   may not be). */
+static int
+misaligned(AtomicView *self, int64_t base)
+{
+    return (((uintptr_t)self->view.buf + (uintptr_t)base) & 7) != 0;
 }
 
 static int
@@ -182,8 +192,10 @@ av_store(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
     int64_t v;
     if (!nargs_ok("store", nargs, 2))
         return NULL;
+    if (int64_arg(args[1], &v) < 0)
+        return NULL;
     int64_t *w = word_at(self, args[0], 1);
-    if (w == NULL || int64_arg(args[1], &v) < 0)
+    if (w == NULL)
         return NULL;
     __atomic_store_n(w, v, __ATOMIC_SEQ_CST);
     Py_RETURN_NONE;
@@ -195,8 +207,10 @@ av_add(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
     int64_t d;
     if (!nargs_ok("add", nargs, 2))
         return NULL;
+    if (int64_arg(args[1], &d) < 0)
+        return NULL;
     int64_t *w = word_at(self, args[0], 1);
-    if (w == NULL || int64_arg(args[1], &d) < 0)
+    if (w == NULL)
         return NULL;
     return PyLong_FromLongLong(__atomic_fetch_add(w, d, __ATOMIC_SEQ_CST));
 }
@@ -207,8 +221,10 @@ av_cas(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
     int64_t expected, desired;
     if (!nargs_ok("cas", nargs, 3))
         return NULL;
+    if (int64_arg(args[1], &expected) < 0 || int64_arg(args[2], &desired) < 0)
+        return NULL;
     int64_t *w = word_at(self, args[0], 1);
-    if (w == NULL || int64_arg(args[1], &expected) < 0 || int64_arg(args[2], &desired) < 0)
+    if (w == NULL)
         return NULL;
     int ok = __atomic_compare_exchange_n(w, &expected, desired, 0, __ATOMIC_SEQ_CST,
                                          __ATOMIC_SEQ_CST);
@@ -295,9 +311,9 @@ av_gcra_take(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "gcra_take needs a held, writable view");
         return NULL;
     }
-    if (base < 0 || base % 8 || nslots < 1 || probe < 1 || key == 0 || interval < 1 ||
-        nslots > (self->view.len - base) / G_SLOT_BYTES) {
-        PyErr_SetString(PyExc_ValueError, "gcra_take: table outside the buffer or bad limit");
+    if (base < 0 || misaligned(self, base) || nslots < 1 || probe < 1 || key == 0 ||
+        interval < 1 || nslots > (self->view.len - base) / G_SLOT_BYTES) {
+        PyErr_SetString(PyExc_ValueError, "gcra_take: table outside the buffer or misaligned, or a bad limit");
         return NULL;
     }
     char *table = (char *)self->view.buf + base;
@@ -342,8 +358,9 @@ av_breaker_window(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "AtomicView is released");
         return NULL;
     }
-    if (base < 0 || base % 8 || n < 1 || n > (self->view.len - base) / 8) {
-        PyErr_SetString(PyExc_ValueError, "breaker_window: buckets outside the buffer");
+    if (base < 0 || misaligned(self, base) || n < 1 || n > (self->view.len - base) / 8) {
+        PyErr_SetString(PyExc_ValueError,
+                        "breaker_window: buckets outside the buffer or misaligned");
         return NULL;
     }
     const int64_t *w = (const int64_t *)((char *)self->view.buf + base);
@@ -386,14 +403,19 @@ av_observe(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     /* n + 1 buckets (the last one +Inf), then the sum */
-    if (base < 0 || base % 8 || n + 2 > (self->view.len - base) / 8) {
-        PyErr_SetString(PyExc_ValueError, "observe: histogram outside the buffer");
+    if (base < 0 || misaligned(self, base) || n + 2 > (self->view.len - base) / 8) {
+        PyErr_SetString(PyExc_ValueError, "observe: histogram outside the buffer or misaligned");
         return NULL;
     }
     Py_ssize_t lo = 0, hi = n; /* the first bound >= value: bisect_left */
     while (lo < hi) {
         Py_ssize_t mid = (lo + hi) / 2;
-        long long b = PyLong_AsLongLong(PyTuple_GET_ITEM(bounds, mid));
+        PyObject *item = PyTuple_GET_ITEM(bounds, mid);
+        if (!PyLong_CheckExact(item)) { /* an __index__ could change the view under us */
+            PyErr_SetString(PyExc_TypeError, "observe: bounds must be a tuple of ints");
+            return NULL;
+        }
+        long long b = PyLong_AsLongLong(item);
         if (b == -1 && PyErr_Occurred())
             return NULL;
         if (b < value)
@@ -432,8 +454,10 @@ av_wait_at_least(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
     int64_t value, timeout_ns;
     if (!nargs_ok("wait_at_least", nargs, 3))
         return NULL;
+    if (int64_arg(args[1], &value) < 0 || int64_arg(args[2], &timeout_ns) < 0)
+        return NULL;
     int64_t *w = word_at(self, args[0], 0);
-    if (w == NULL || int64_arg(args[1], &value) < 0 || int64_arg(args[2], &timeout_ns) < 0)
+    if (w == NULL)
         return NULL;
     int reached = 0;
     int64_t end = monotonic_ns() + timeout_ns;
@@ -491,6 +515,10 @@ av_init(AtomicView *self, PyObject *args, PyObject *kwds)
     static char *kwlist[] = {"buffer", NULL};
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:AtomicView", kwlist, &obj))
         return -1;
+    if (self->waiting) { /* as release: a thread waits on the buffer without the GIL */
+        PyErr_SetString(PyExc_BufferError, "AtomicView has a waiter");
+        return -1;
+    }
     if (self->held) {
         PyBuffer_Release(&self->view);
         self->held = 0;

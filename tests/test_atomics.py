@@ -13,6 +13,7 @@ import zlib
 from collections.abc import Iterator
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 from proc_helpers import CTX, run_children
@@ -88,6 +89,10 @@ def test_alignment_is_of_the_address_not_the_offset(page: mmap.mmap) -> None:
         v.load(0)
     v.store(4, 7)  # address page+8
     assert int.from_bytes(page[8:16], "little") == 7
+    # The hot routines too: they took an aligned offset for an aligned word.
+    for call in (lambda: v.observe(0, (), 7), lambda: v.breaker_window(0, 1, 0)):
+        with pytest.raises(ValueError, match="misaligned"):
+            call()
     v.release()
     shifted.release()
 
@@ -281,6 +286,46 @@ def test_a_view_with_a_waiter_cannot_be_released(page: mmap.mmap) -> None:
     assert len(seen) == 1 and isinstance(seen[0], BufferError)
     v.release()
     assert v.size == 0
+
+
+def test_no_argument_can_pull_the_buffer_from_under_a_call() -> None:
+    """An argument's ``__index__`` runs Python code: converted after the word's address
+    was taken, it could release the view and unmap the page (a segfault on the store),
+    or point the view at a smaller buffer (a write past it); nor may a view be pointed
+    elsewhere while a thread sleeps on its word without the GIL."""
+    mm = mmap.mmap(-1, 4096)
+    v = AtomicView(mm)
+
+    class Releases:
+        def __index__(self) -> int:
+            v.release()
+            mm.close()
+            return 5
+
+    releases: Any = Releases()  # passed where an int is due, as no caller of ours would
+    for call in (lambda: v.store(0, releases), lambda: v.add(0, releases)):
+        with pytest.raises(ValueError, match="released"):
+            call()
+    small = bytearray(16)
+    w = AtomicView(mmap.mmap(-1, 4096))
+
+    class Shrinks:
+        def __index__(self) -> int:
+            w.__init__(small)  # type: ignore[misc]
+            return 1
+
+    with pytest.raises(TypeError, match="tuple of ints"):
+        w.observe(4000, (cast(int, Shrinks()),), 5)
+    assert small == bytearray(16)
+    waited = AtomicView(mmap.mmap(-1, 4096))
+    sleeper = threading.Thread(target=lambda: waited.wait_at_least(0, 1, 2_000_000_000))
+    sleeper.start()
+    time.sleep(0.2)
+    with pytest.raises(BufferError, match="waiter"):
+        waited.__init__(bytearray(8))  # type: ignore[misc]
+    waited.store(0, 1)
+    waited.wake(0)
+    sleeper.join(10)
 
 
 def test_file_ids_are_stat_s_device_and_inode(tmp_path: Path) -> None:
