@@ -312,7 +312,8 @@ av_gcra_take(AtomicView *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     if (base < 0 || misaligned(self, base) || nslots < 1 || probe < 1 || key == 0 ||
-        interval < 1 || nslots > (self->view.len - base) / G_SLOT_BYTES) {
+        interval < 1 || (uint64_t)interval > G_MAX_SPAN || span < 0 ||
+        (uint64_t)span > G_MAX_SPAN || nslots > (self->view.len - base) / G_SLOT_BYTES) {
         PyErr_SetString(PyExc_ValueError, "gcra_take: table outside the buffer or misaligned, or a bad limit");
         return NULL;
     }

@@ -19,6 +19,7 @@ import pytest
 from proc_helpers import CTX, run_children
 
 from ankusa_shm._atomics import AtomicView, crc32, file_ids
+from ankusa_shm.limits import MAX_SPAN_US
 from ankusa_shm.shm import layout as L
 from ankusa_shm.shm.segment import Segment
 
@@ -108,6 +109,12 @@ def test_bad_arguments(page: mmap.mmap) -> None:
     assert v.load(8) == 0
     with pytest.raises(IndexError):
         v.load(2**70)  # an offset beyond any buffer is out of range, whatever its size
+    # A limit beyond the table's span (limits.Limit.of refuses it first) would overflow
+    # the GCRA's arithmetic: refused here as well, writing nothing.
+    for interval, span in ((MAX_SPAN_US + 1, 1), (1, MAX_SPAN_US + 1), (1, -1)):
+        with pytest.raises(ValueError, match="bad limit"):
+            v.gcra_take(0, 4, 4, 1, 1, interval, span, 1_000)
+    assert bytes(page[:256]) == bytes(256)
     v.release()
 
 
