@@ -191,7 +191,7 @@ class Connection(asyncio.Protocol):
         self._body_bytes = 0
         self._deadline = 0.0  # monotonic seconds; 0 when none applies
         self._deadline_error = ""
-        self._write_deadline = 0.0  # while our answers do not fit: when the client is dropped
+        self._write_deadline = 0.0  # while answers wait unsent: when the client is dropped
 
     # -- asyncio.Protocol ---------------------------------------------------------------
 
@@ -270,11 +270,9 @@ class Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._can_write.clear()
-        self._write_deadline = time.monotonic() + self._limits.body_timeout_s
 
     def resume_writing(self) -> None:
         self._can_write.set()
-        self._write_deadline = 0.0
 
     # -- httptools callbacks ------------------------------------------------------------
 
@@ -343,14 +341,15 @@ class Connection(asyncio.Protocol):
         # curl and others wait for this (a second, with curl) before the body. Not to
         # HTTP/1.0, which cannot know it (RFC 9110 10.1.1); not ahead of the answers owed
         # before it; to a request that asks to upgrade, when it is parsed again without.
-        self._deadline = time.monotonic() + self._limits.body_timeout_s
         self._deadline_error = "body_timeout"
-        if expect and parser.get_http_version() == "1.1" and not parser.should_upgrade():
-            if self._task is None:
-                self._continue()
-            else:  # written by _answer once they are, and the body's time starts then
-                self._expect_continue = True
-                self._deadline = 0.0
+        asks = expect and parser.get_http_version() == "1.1" and not parser.should_upgrade()
+        if not asks:
+            self._deadline = time.monotonic() + self._limits.body_timeout_s
+        elif self._task is None:
+            self._continue()  # which starts the body's deadline
+        else:  # written by _answer once they are, and the body's time starts then
+            self._expect_continue = True
+            self._deadline = 0.0
 
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
@@ -476,10 +475,12 @@ class Connection(asyncio.Protocol):
         quietly; a request too slow in coming is answered 408 first. A client that leaves
         our answers unread for ``body_timeout_s`` (as long as it may take to send a body)
         is reset, and the requests it queued that were not begun are dropped: none was
-        answered, so its client sends them again. (The transport pauses us only past its
-        high-water mark: answers below it left unread are found here, by the sweep.)"""
+        answered, so its client sends them again. The deadline starts at the first sweep
+        that finds answers waiting unsent, not when the transport pauses us: that is only
+        past its high-water mark, and answers below it left unread held the connection
+        for ever."""
         t = self._transport
-        if t is not None and self._can_write.is_set():  # paused: pause_writing's deadline
+        if t is not None:
             if not t.get_write_buffer_size():
                 self._write_deadline = 0.0
             elif not self._write_deadline:

@@ -433,8 +433,7 @@ class Arbiter:
             self.cfg, self._previous = self._previous, None
             self._target = _worker_count(self.cfg)
             self._publish(self.cfg)
-            if self._announced_ready:
-                self.notifier.send("READY=1", self._status())
+            self._ready_again()
             return  # the failed config's children are now old, and replaced as such
         serving = len(self._serving())
         if not (self._announced_ready and c.kind in self._served) or not serving:
@@ -524,8 +523,7 @@ class Arbiter:
         if self._previous is not None and not old and not starting and drainer_current:
             log.info("reload complete")
             self._previous = None
-            if self._announced_ready:
-                self.notifier.send("READY=1", self._status())
+            self._ready_again()
 
     def _drainer_elsewhere(self) -> bool:
         """Whether a live process other than our children holds the settle queue's
@@ -571,7 +569,13 @@ class Arbiter:
                 c.abort_sent = now
                 _kill(c.pid, signal.SIGABRT)
 
-    def _healthy(self) -> int:
+    def _ready_again(self) -> None:
+        """A reload ended (done, or given up): READY=1 again, if the first was sent (before
+        it, neither RELOADING=1 nor this means anything to systemd)."""
+        if self._announced_ready:
+            self.notifier.send("READY=1", self._status())
+
+    def _healthy_workers(self) -> int:
         """How many workers serve and have not been given up on; 0 also when the settle
         queue has no drainer (with a fleet scope)."""
         drainer_ok = (
@@ -593,7 +597,7 @@ class Arbiter:
         watchdog would only swap a host that serves for one that stops at its first
         start; a hung supervisor, or no worker serving, still goes without pings."""
         self.notifier.flush()  # what a slow receiver left waiting
-        healthy = self._healthy()
+        healthy = self._healthy_workers()
         if healthy >= self._target and not self._announced_ready:
             self._announced_ready = True
             log.info("ready: %s", self._status())
