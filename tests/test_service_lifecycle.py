@@ -288,6 +288,8 @@ def test_a_hook_whose_client_hangs_up_during_its_admission_is_finished(
         time.sleep(0.2)  # the admit call is sent, and waits
         s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     wait_until(lambda: readers.count(svc.store_path) == 1, what="the hook stored all the same")
+    # and its claim settled: the drainer delivers the promote a moment after the commit
+    wait_until(lambda: counter(svc, Counter.SETTLED_PROMOTE) == 1, what="the promote delivered")
     retry = svc.post("github", body, signed(body, "hung-up"))
     assert retry.status == 201 and retry.body.get("duplicate") is True, retry
     assert svc.stop() == 0
