@@ -417,7 +417,10 @@ DedupePreset = Literal["github", "standard_webhooks", "svix", "shopify", "stripe
 @dataclass(frozen=True)
 class SourceDedupe:
     preset: DedupePreset | None = setting(
-        None, "github | standard_webhooks | svix | shopify | stripe."
+        None,
+        "github (x-github-hook-id:x-github-delivery) | standard_webhooks (webhook-id) |"
+        " svix (svix-id) | shopify (x-shopify-event-id, else x-shopify-webhook-id) |"
+        " stripe (the JSON body's id).",
     )
     header: str = setting("", "Header carrying the event key.", _header_name)
     json_path: str = setting("", "Dotted path of the event key in a JSON body.", _json_path)

@@ -15,6 +15,11 @@ from ankusa_shm.config import ConfigError
 from ankusa_shm.http.event_key import PRESETS, KeyFinder, key_finder_for
 
 
+def as_wire(text: str) -> str:
+    """``text`` sent in UTF-8, as the protocol hands a header's value on."""
+    return text.encode().decode("latin-1")
+
+
 def source(dedupe: dict[str, Any] | None) -> config.Source:
     spec: dict[str, Any] = {"id": "src", "tenant": "t"}
     if dedupe is not None:
@@ -35,7 +40,7 @@ def test_no_dedupe_spec_no_finder() -> None:
 @pytest.mark.parametrize(
     ("preset", "header"),
     [
-        ("github", "x-github-delivery"),
+        ("github", "x-github-delivery"),  # without the webhook's id: see below
         ("standard_webhooks", "webhook-id"),
         ("svix", "svix-id"),
         ("shopify", "x-shopify-event-id"),
@@ -60,6 +65,18 @@ def test_shopify_keys_on_the_event_id_before_the_webhook_id() -> None:
     assert f.find({"x-shopify-event-id": " ", "x-shopify-webhook-id": "wh-1"}, b"{}") == b"wh-1"
 
 
+def test_github_keys_on_the_webhook_and_the_delivery() -> None:
+    """GitHub sends one event to each webhook and App under one delivery GUID, each with
+    its own payload; a redelivery keeps both the GUID and the webhook's id."""
+    f = finder({"preset": "github"})
+    guid = "72d3162e-cc78-11e3-81ab-4c9367dc0958"
+    one = {"x-github-delivery": guid, "x-github-hook-id": "101"}
+    two = {"x-github-delivery": guid, "x-github-hook-id": "202"}
+    assert f.find(one, b"{}") == f"101:{guid}".encode()
+    assert f.find(two, b"{}") == f"202:{guid}".encode()
+    assert f.find({"x-github-hook-id": "101"}, b"{}") is None
+
+
 def test_stripe_preset_is_the_event_id_in_the_body() -> None:
     f = finder({"preset": "stripe"})
     body = b'{"id": "evt_1NG8Du2eZvKYlo2CUI79vXWy", "object": "event", "data": {"object": {}}}'
@@ -77,7 +94,10 @@ def test_header_key_is_stripped_and_empty_is_none() -> None:
     assert f.find({"x-request-key": "   "}, b"") is None
     assert f.find({"x-request-key": ""}, b"") is None
     assert f.find({}, b"") is None
-    assert f.find({"x-request-key": "café"}, b"") == "café".encode()
+    # Header text is its bytes read as latin-1 (as the protocol decodes it): the key is
+    # those bytes, not their UTF-8 re-encoding, so 200 bytes sent stay 200 bytes.
+    assert f.find({"x-request-key": as_wire("café")}, b"") == "café".encode()
+    assert f.find({"x-request-key": as_wire("é" * 100)}, b"") == ("é" * 100).encode()
 
 
 NESTED = {

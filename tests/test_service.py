@@ -117,6 +117,19 @@ def test_a_chunked_hook_is_stored_whole_and_its_trailer_is_not_kept(svc: Service
     assert "x-github-event" in names and "x-trailer" not in names
 
 
+def test_whitespace_after_a_header_value_is_not_part_of_it(svc: Service) -> None:
+    """RFC 9112 5: a proxy padding the fields must not turn a genuine signature into a
+    401, nor the event key into another one (the parser drops only leading whitespace)."""
+    body = b'{"padded":true}'
+    padded = "".join(f"{k}: {v} \t\r\n" for k, v in signed(body, "delivery-padded").items())
+    head = f"POST /hooks/github HTTP/1.1\r\nhost: x\r\nconnection: close\r\n{padded}"
+    out = raw(svc, f"{head}content-length: {len(body)}\r\n\r\n".encode() + body)
+    assert out.startswith(b"HTTP/1.1 201 "), out
+    hook = readers.get(svc.store_path, json.loads(out.partition(b"\r\n\r\n")[2])["id"])
+    assert hook is not None and hook.event_key == b"delivery-padded"
+    assert ("x-github-event", "push") in hook.headers
+
+
 def test_a_forgery_is_refused_and_costs_the_tenant_nothing(svc: Service) -> None:
     body = b'{"n":1}'
     for _ in range(5):  # more forgeries than the tenant's burst of 2

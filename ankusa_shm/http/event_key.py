@@ -21,7 +21,8 @@ class KeyFinder(Protocol):
     def find(self, headers: Mapping[str, str], body: bytes) -> bytes | None:
         """The hook's bounded event key, or None when it has none.
 
-        ``headers`` have lower-case names."""
+        ``headers`` have lower-case names, and values that are their bytes read as
+        latin-1, as ``protocol`` decodes them."""
         ...
 
 
@@ -38,11 +39,30 @@ class HeaderKey:
         for name in self._names:
             value = headers.get(name)
             if value is not None and (value := value.strip()):
-                return _encode(value)
+                return _as_sent(value)
         return None
 
     def __repr__(self) -> str:
         return f"HeaderKey({', '.join(map(repr, self._names))})"
+
+
+class GitHubKey:
+    """GitHub's delivery GUID names the event, and every webhook and App the event goes to
+    gets the same one: keyed on it alone, the second webhook's hook would be taken for a
+    duplicate of the first's. The webhook's id, which a redelivery also keeps, is put in
+    front of it when the hook carries one."""
+
+    __slots__ = ()
+
+    def find(self, headers: Mapping[str, str], body: bytes) -> bytes | None:
+        delivery = headers.get("x-github-delivery", "").strip()
+        if not delivery:
+            return None
+        hook = headers.get("x-github-hook-id", "").strip()
+        return _as_sent(f"{hook}:{delivery}" if hook else delivery)
+
+    def __repr__(self) -> str:
+        return "GitHubKey()"
 
 
 class JsonPathKey:
@@ -85,7 +105,7 @@ class JsonPathKey:
 
 
 PRESETS: Mapping[config.DedupePreset, KeyFinder] = {
-    "github": HeaderKey("x-github-delivery"),
+    "github": GitHubKey(),
     "standard_webhooks": HeaderKey("webhook-id"),
     "svix": HeaderKey("svix-id"),
     # The event's id, which Shopify names as the mark of a duplicate (one event sent to
@@ -106,6 +126,11 @@ def key_finder_for(source: config.Source) -> KeyFinder | None:
     if d.header:
         return HeaderKey(d.header)
     return JsonPathKey(d.json_path)
+
+
+def _as_sent(value: str) -> bytes:
+    # A header's text is its bytes read as latin-1 (``protocol``): the same bytes back.
+    return bounded_event_key(value.encode("latin-1"))
 
 
 def _encode(text: str) -> bytes:

@@ -307,9 +307,10 @@ class Connection(asyncio.Protocol):
         self._raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        # Decoded once, here: every later stage reads headers as text.
+        # Decoded once, here: every later stage reads headers as text. Whitespace around a
+        # value is not part of it (RFC 9112 5); the parser drops only what leads.
         self._headers = headers = [
-            (name.decode("latin-1").lower(), value.decode("latin-1"))
+            (name.decode("latin-1").lower(), value.decode("latin-1").strip(" \t"))
             for name, value in self._raw_headers
         ]
         coding, expect, hosts = "", False, 0
@@ -326,7 +327,7 @@ class Connection(asyncio.Protocol):
                 if hosts > 1:
                     raise _Reject(400, "bad_host")
                 if text != self._host:
-                    if _HOST.fullmatch(text.strip(" \t")) is None:
+                    if _HOST.fullmatch(text) is None:
                         raise _Reject(400, "bad_host")
                     self._host = text
             elif key == "expect":
