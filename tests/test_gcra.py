@@ -107,6 +107,19 @@ def test_time_wraps_the_49_bit_field(seg: Segment) -> None:
     assert t.take("acme", limit, start + 200) == 0
 
 
+def test_refund_gives_back_one_hook_never_more_than_the_bucket_holds(seg: Segment) -> None:
+    t, _ = _table(seg)
+    limit = Limit.of(rate=10, burst=3)
+    assert [t.take("acme", limit, NOW) for _ in range(4)] == [0, 0, 0, 100]
+    t.refund("acme", limit, NOW)
+    assert [t.take("acme", limit, NOW) for _ in range(2)] == [0, 100]
+    for _ in range(5):  # more refunds than charges: the bucket is full, and no fuller
+        t.refund("acme", limit, NOW)
+    assert [t.take("acme", limit, NOW) for _ in range(4)] == [0, 0, 0, 100]
+    t.refund("nobody", limit, NOW)  # no bucket: nothing to give back, nothing claimed
+    assert t.usage(NOW) == (1, 1)
+
+
 def test_reset_gives_a_fresh_bucket(seg: Segment) -> None:
     t, _ = _table(seg)
     limit = Limit.of(rate=1, burst=2)

@@ -24,7 +24,7 @@ GITHUB = (
     """
 [rate_limits]
 default = { rate = 1000, burst = 1000 }
-tenants.tiny = { rate = 0.5, burst = 2 }
+tenants.tiny = { rate = 0.05, burst = 2 }  # a hook back every 20 s
 """
     + GITHUB_SOURCE
     + """
@@ -142,6 +142,27 @@ def test_a_forgery_is_refused_and_costs_the_tenant_nothing(svc: Service) -> None
     assert (limited.status, limited.body) == (429, {"error": "rate_limited"})
     assert int(limited.headers["retry-after"]) >= 1
     assert readers.count(svc.store_path) == 2
+
+
+def test_a_resend_costs_the_tenant_nothing_and_is_a_duplicate_even_over_its_limit(
+    svc: Service,
+) -> None:
+    """A provider resending a stored event is answered with its first id, never 429, and
+    is not charged for it (as the fleet's buckets never are)."""
+    a, b, c = (b'{"n":%d}' % n for n in range(3))
+    first = svc.post("tiny", a, signed(a, "resend-a"))
+    assert first.status == 201
+    again = svc.post("tiny", a, signed(a, "resend-a"))
+    assert again.body == {"status": "accepted", "id": first.body["id"], "duplicate": True}
+    second = svc.post("tiny", b, signed(b, "resend-b"))  # the burst's second: a was refunded
+    assert second.status == 201 and "duplicate" not in second.body
+    assert svc.post("tiny", c, signed(c, "resend-c")).status == 429
+    for body, delivery, hook in ((a, "resend-a", first), (b, "resend-b", second)):
+        late = svc.post("tiny", body, signed(body, delivery))  # over the limit now
+        assert late.body == {"status": "accepted", "id": hook.body["id"], "duplicate": True}
+    assert readers.count(svc.store_path) == 2
+    metrics = svc.admin("GET", "/metrics")[2].decode()
+    assert "ankusa_store_duplicates_total 3.0" in metrics
 
 
 def test_routing_errors(svc: Service) -> None:

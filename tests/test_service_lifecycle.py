@@ -517,6 +517,32 @@ def test_a_redis_that_lost_its_data_gets_this_hosts_hooks_again(
     assert svc.stop() == 0
 
 
+def test_a_resend_to_the_host_holding_its_pending_claim_is_a_duplicate(
+    make: list[Service], tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Between a hook's commit and its promote landing in Redis, its claim is pending: a
+    resend to another host is 409, but the host that stored it answers the duplicate it
+    is. The drainer is stopped here, so the claim stays pending as long as the test runs."""
+    svc = service(make, tmp_path, fleet_config(redis_server)).start()
+    drainer_looked(svc)
+    os.kill(svc.one("drainer"), signal.SIGSTOP)
+    try:
+        body = b'{"n": 1}'
+        headers = signed(body)
+        first = svc.post("github", body, headers)
+        assert first.status == 201
+        key = f"ankusa:{{acme}}:dd:github:{headers['x-github-delivery']}"
+        pending = redis_server.client().get(key)
+        assert isinstance(pending, bytes) and pending.startswith(b"p:")  # still pending
+        again = svc.post("github", body, headers)
+        assert again.body == {"status": "accepted", "id": first.body["id"], "duplicate": True}
+        assert counter(svc, Counter.ADMIT_DEDUPE_PENDING) == 1  # what Redis said of it
+        assert readers.count(svc.store_path) == 1
+    finally:
+        os.kill(svc.one("drainer"), signal.SIGCONT)
+    assert svc.stop() == 0
+
+
 def test_the_epoch_a_drainer_read_is_kept_for_the_next_one(
     make: list[Service], tmp_path: Path, redis_server: RedisServer
 ) -> None:

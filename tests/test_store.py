@@ -231,6 +231,33 @@ def test_same_key_is_already_stored_and_not_inserted(tmp_path: Path) -> None:
     assert readers.ids(cfg.path) == {first.id, other_source.id}
 
 
+def test_stored_reads_the_index_within_its_window_and_outside_the_lock(tmp_path: Path) -> None:
+    """``stored`` (asked for a hook about to be refused) names the hook a key was stored
+    under, per source and within its window, and is answered while another process holds
+    the writers' lock: it never waits for a write."""
+    cfg = store_cfg(tmp_path, lock_timeout_ms=5_000)
+    wall = FakeWall()
+    first = hook(b"k", ttl_s=10)
+
+    async def body() -> list[str | None]:
+        async with started(cfg, wall) as w:
+            assert await w.commit(first) == Committed(first.id)
+            with Child("hold-flock", cfg.path) as child:
+                assert child.line() == "held"
+                found = await asyncio.wait_for(
+                    asyncio.gather(
+                        w.stored("github", b"k"), w.stored("stripe", b"k"), w.stored("github", b"j")
+                    ),
+                    1.0,
+                )
+                child.send("release")
+                assert child.wait() == 0
+            wall.now += 10_000  # the window is over
+            return [*found, await w.stored("github", b"k")]
+
+    assert run(body) == [first.id, None, None, None]
+
+
 def test_same_key_in_one_batch(tmp_path: Path) -> None:
     cfg = store_cfg(tmp_path, commit_wait_ms=20)
     a, b = hook(b"twice"), hook(b"twice")

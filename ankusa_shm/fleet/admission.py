@@ -159,6 +159,14 @@ class Fleet:
         self._fall_back(failed, now_ms)
         return self._tally(self._take_local(source.tenant, limit, now, claim))
 
+    def refund(self, source: Source) -> None:
+        """Give back the charge of an admitted hook the store found to be a duplicate, as
+        a fleet bucket is never charged for one: with a node-scope rate limit only (a fleet
+        bucket's would be one more call)."""
+        if not self._rate_fleet:
+            limit = self._overrides.get(source.tenant) or self._limits.limit_for(source.tenant)
+            self._gcra.refund(source.tenant, limit, self._clock() // 1000)
+
     def settle(self, claim: Claim | None, result: CommitResult) -> None:
         """Queue the outcome of the commit that followed ``admit`` (``Settler.settle``).
         Never blocks, never raises: a full queue is a counted drop."""

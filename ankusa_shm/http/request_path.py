@@ -116,11 +116,17 @@ class RequestPath:
         verdict = await self._fleet.admit(source, Envelope(key))
         if isinstance(verdict, Duplicate):
             return accepted(verdict.hook_id, duplicate=True)
-        if isinstance(verdict, RateLimited):
-            return retry_later(429, "rate_limited", verdict.retry_ms)
-        if isinstance(verdict, DedupePending):
+        if not isinstance(verdict, Admit):
+            # Refused, unless this host holds the event already: its resend is answered as
+            # the duplicate it is, whatever the tenant's rate or the fleet's claim.
+            first = await self._writer.stored(source.id, key) if key is not None else None
+            if first is not None:
+                self._row.add(Counter.STORE_DUPLICATE)
+                return accepted(first, duplicate=True)
+            if isinstance(verdict, RateLimited):
+                return retry_later(429, "rate_limited", verdict.retry_ms)
+            assert isinstance(verdict, DedupePending)
             return retry_later(409, "dedupe_pending", verdict.retry_ms)
-        assert isinstance(verdict, Admit)
         wall_ms = int(now_s * 1000)
         hook = NewHook(  # id, tenant, source, event key, ttl, received, headers, body
             new_hook_id(wall_ms),
@@ -139,6 +145,7 @@ class RequestPath:
         if isinstance(result, Committed):
             return accepted(result.hook_id)
         if isinstance(result, AlreadyStored):
+            self._fleet.refund(source)
             self._row.add(Counter.STORE_DUPLICATE)
             return accepted(result.hook_id, duplicate=True)
         return STORE_UNAVAILABLE

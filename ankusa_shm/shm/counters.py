@@ -35,10 +35,16 @@ class Counter(enum.Enum):
     STORE_DUPLICATE = (
         "store_duplicates",
         (),
-        "Hooks admitted and then found in the store's own dedupe index, answered as "
-        "duplicates: every duplicate in node scope, and in fleet scope one Redis did not catch.",
+        "Hooks found in the store's own dedupe index, answered as duplicates: every "
+        "duplicate in node scope, and in fleet scope one Redis did not catch; also a resend "
+        "that admission refused (rate limited, or pending in the fleet) of a hook stored here.",
     )
-    RATE_LIMIT_REJECTED = ("rate_limit_rejected", (), "Hooks refused by a tenant rate limit.")
+    RATE_LIMIT_REJECTED = (
+        "rate_limit_rejected",
+        (),
+        "Hooks refused by a tenant rate limit at admission (a resend of a hook stored here "
+        "is still answered as its duplicate).",
+    )
     LIMITER_TABLE_FULL = (
         "limiter_table_full",
         (),

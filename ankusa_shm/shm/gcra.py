@@ -90,6 +90,23 @@ class GcraTable:
             return 0
         return retry_ms(over)
 
+    def refund(self, tenant: str, limit: Limit, now_us: int) -> None:
+        """Give back one hook's charge (it was a duplicate, which the fleet's buckets are
+        never charged for): the TAT moves back one interval, never behind now."""
+        key, tag = tenant_hash(tenant)
+        off = self._lookup(key)
+        if off < 0:
+            return
+        at = off + L.GS_TAT
+        while True:
+            word = self._view.load(at)
+            lead = _lead(word, tag, now_us)
+            if lead <= 0:
+                return
+            tat = now_us + max(0, lead - limit.interval_us)
+            if self._view.cas(at, word, (tag << L.GCRA_TAG_SHIFT) | (tat & L.GCRA_TAT_MASK)):
+                return
+
     def reset(self, tenant: str) -> bool:
         """Forget the tenant's bucket (its limit changed); False if it had none."""
         key, _ = tenant_hash(tenant)

@@ -57,6 +57,9 @@ _PUT_KEY = (
     "INSERT OR REPLACE INTO dedupe (source, event_key, hook_id, expires_ms) VALUES (?, ?, ?, ?)"
 )
 
+Key = tuple[str, bytes]
+"""A hook's place in the dedupe index: its source and its event key."""
+
 Inserted = tuple[list[CommitResult], int, int, int]
 """An insert's answers, how many were Committed and AlreadyStored, and the bytes stored."""
 
@@ -77,6 +80,16 @@ def insert(conn: sqlite3.Connection, hooks: Sequence[NewHook], now: int) -> Inse
             conn.execute("ROLLBACK")
             conn.execute("BEGIN IMMEDIATE")
     return _insert_each(conn, hooks, now)
+
+
+def stored(conn: sqlite3.Connection, keys: Sequence[tuple[str, bytes]], now: int) -> dict[Key, str]:
+    """Of ``keys`` (source, event key), those the index holds within their window, with
+    their hooks' ids: a read, in whatever transaction ``conn`` is in (none: its own)."""
+    if _BATCHED:
+        rows = _index(conn, [part for key in keys for part in key])
+    else:
+        rows = {k: row for k in keys if (row := conn.execute(_SELECT_KEY, k).fetchone())}
+    return {k: hook_id for k, (hook_id, expires) in rows.items() if expires > now}
 
 
 def encode_headers(headers: Headers) -> str:
@@ -111,14 +124,7 @@ def _insert_batched(conn: sqlite3.Connection, hooks: Sequence[NewHook], now: int
     for h in hooks:
         if h.event_key is not None:
             keys += (h.source, h.event_key)
-    index: dict[tuple[str, bytes], tuple[str, int]] = {}
-    for start in range(0, len(keys), 2 * _CHUNK):
-        part = keys[start : start + 2 * _CHUNK]
-        n = len(part) // 2
-        padded = 1 << (n - 1).bit_length()
-        part += part[-2:] * (padded - n)  # pad to a prepared size with the last key again
-        for source, key, hook_id, expires in conn.execute(_LOOKUP[padded], part):
-            index[source, key] = (hook_id, expires)
+    index = _index(conn, keys)
     results: list[CommitResult] = []
     rows: list[Any] = []
     claims: list[Any] = []
@@ -143,6 +149,20 @@ def _insert_batched(conn: sqlite3.Connection, hooks: Sequence[NewHook], now: int
         _run_chunks(conn, _PUT_KEYS, claims, 4)
     committed = len(rows) // 7
     return results, committed, len(hooks) - committed, size
+
+
+def _index(conn: sqlite3.Connection, keys: list[Any]) -> dict[Key, tuple[str, int]]:
+    """The index rows of ``keys`` (source, event key, source, event key, ...): one
+    statement per ``_CHUNK`` keys. A row past its window is still a row here."""
+    index: dict[Key, tuple[str, int]] = {}
+    for start in range(0, len(keys), 2 * _CHUNK):
+        part = keys[start : start + 2 * _CHUNK]
+        n = len(part) // 2
+        padded = 1 << (n - 1).bit_length()
+        part += part[-2:] * (padded - n)  # pad to a prepared size with the last key again
+        for source, key, hook_id, expires in conn.execute(_LOOKUP[padded], part):
+            index[source, key] = (hook_id, expires)
+    return index
 
 
 def _insert_each(conn: sqlite3.Connection, hooks: Sequence[NewHook], now: int) -> Inserted:

@@ -183,6 +183,7 @@ class Writer:
         self._ripe = 0  # how many of the queue's first hooks the loop has ended a turn with
         self._stopping = False
         self._sweep_waiters: list[asyncio.Future[int]] = []
+        self._lookups: list[tuple[inserts.Key, asyncio.Future[str | None]]] = []
         # The event loop's:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._accepting = False
@@ -240,6 +241,22 @@ class Writer:
             loop.call_soon(self._end_turn)
         if self._expiry is None:
             self._expiry = loop.call_later(self.cfg.lock_timeout_ms / 1000, self._expire)
+        return await future
+
+    async def stored(self, source: str, event_key: bytes) -> str | None:
+        """The id of the hook stored under this key within its window; None if there is
+        none or the store cannot say now. For a hook about to be refused, so that the
+        resend of an event this host holds is answered as its duplicate instead. Read by
+        the thread outside the writers' lock, with the lookups asked meanwhile."""
+        loop = self._loop
+        if loop is None:
+            return None
+        future: asyncio.Future[str | None] = loop.create_future()
+        with self._cond:
+            if not self._accepting:
+                return None
+            self._lookups.append(((source, event_key), future))
+            self._cond.notify()
         return await future
 
     async def sweep(self) -> int:
@@ -337,6 +354,9 @@ class Writer:
             batch, late = self._take(everything=True)  # empty, unless the thread failed
             gone = batch + late
             self._hand_back(self._unavailable(gone))
+            with self._cond:
+                lookups, self._lookups = self._lookups, []
+            self._hand_back([(future, None) for _, future in lookups])
             self._finish_sweep(0)
             self._drop_connection()
             if self._lock is not None:
@@ -385,7 +405,13 @@ class Writer:
                 if self._sweep_waiters:
                     sweep_at = 0.0
                 self._wait_for_work(sweep_at if swept is None else 0.0)
-                hooks, stopping = bool(self._queue), self._stopping
+                stopping = self._stopping
+                # Not a batch the loop is still adding to, if a lookup or the sweep woke us.
+                hooks = bool(self._ripe or len(self._queue) >= self._max_batch or stopping)
+                hooks = hooks and bool(self._queue)
+                lookups, self._lookups = self._lookups, []
+            if lookups:
+                self._look_up(lookups)
             if hooks:
                 self._write_batch()
             elif stopping:
@@ -410,6 +436,7 @@ class Writer:
             or len(self._queue) >= self._max_batch
             or self._stopping
             or self._sweep_waiters
+            or self._lookups
         ):
             left = sweep_at - time.monotonic()
             if left <= 0:
@@ -438,6 +465,17 @@ class Writer:
             self._ripe = max(0, self._ripe - len(batch) - len(late))
             self.stats.expired += len(late)
         return batch, late
+
+    def _look_up(self, lookups: list[tuple[inserts.Key, asyncio.Future[str | None]]]) -> None:
+        """Answer ``stored`` with one read, outside the lock: a write of another process
+        is never waited for, and none is held up."""
+        found: dict[inserts.Key, str] = {}
+        if self._conn is not None:
+            try:
+                found = inserts.stored(self._conn, [key for key, _ in lookups], self._wall())
+            except sqlite3.Error as e:  # the next batch finds out what it means
+                log.debug("%s: lookup failed: %s", self.path, e)
+        self._hand_back([(future, found.get(key)) for key, future in lookups])
 
     def _hand_back(self, answers: Answers) -> None:
         if answers and self._loop is not None:
