@@ -15,7 +15,10 @@ CONNECT_TIMEOUT_S = 5.0  # check-config --connect: all it does with Redis, at mo
 
 
 def _positive(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"must be positive and finite, not {text}")
     return value
@@ -78,13 +81,52 @@ def _check_config(file: str | None, list_settings: bool, connect: bool = False) 
     except config.ConfigError as e:
         print(f"ankusa-shm: {e}", file=sys.stderr)
         return 2
+    unreadable = _unreadable_secrets(cfg)
+    for why in unreadable:
+        print(f"ankusa-shm: {file}: {why}", file=sys.stderr)
+    if unreadable:
+        print(
+            "ankusa-shm: secrets are read as `serve` reads them: check in the service's "
+            "environment, as its user",
+            file=sys.stderr,
+        )
+        return 2
     kinds = ", ".join(cfg.fleet_kinds) or "none"
-    print(f"{file}: ok ({len(cfg.sources)} sources; fleet kinds: {kinds})")
+    print(f"{file}: ok ({len(cfg.sources)} sources; fleet kinds: {kinds}; secrets read)")
     if not cfg.sources:  # valid, and surely not meant: a file says which sources exist
         print(f"{file}: warning: no [[sources]]: every hook will be answered 404", file=sys.stderr)
-    if connect and cfg.fleet_kinds:
-        return _check_redis(cfg)
+    if connect:
+        if cfg.fleet_kinds:
+            return _check_redis(cfg)
+        print(f"{file}: both scopes node: no Redis to connect to")
     return 0
+
+
+def _unreadable_secrets(cfg: config.Config) -> list[str]:
+    """Every secret ``serve`` would fail to start on, said without its value."""
+    from ankusa_shm.credentials import MissingSecret, read_secret
+    from ankusa_shm.http.verify import verifier_for
+
+    problems = []
+    for source in cfg.sources:
+        try:
+            verifier_for(source)
+        except MissingSecret as e:
+            why = str(e)
+            problems.append(why if why.startswith("source ") else f"source {source.id}: {why}")
+    s = cfg.server
+    if s.admin_listen and (s.admin_token_env or s.admin_token_file):
+        try:
+            if not read_secret(s.admin_token_env, s.admin_token_file):
+                problems.append("server.admin_token: it is empty")
+        except MissingSecret as e:
+            problems.append(f"server.admin_token: {e}")
+    if cfg.fleet_kinds:
+        try:
+            read_secret(cfg.fleet.password_env, cfg.fleet.password_file)
+        except MissingSecret as e:
+            problems.append(f"fleet.password: {e}")
+    return problems
 
 
 def _check_redis(cfg: config.Config) -> int:

@@ -125,7 +125,9 @@ def render(s: snapshot.Snapshot, prev: snapshot.Snapshot | None = None) -> str:
     dt = (s.taken_ms - prev.taken_ms) / 1000 if prev else 0.0
     before = {f.label: f.value for f in snapshot.figures(prev)} if prev else {}
     for f in snapshot.figures(s):
-        row = f"{f.label:<52} {f.value:>14g}"
+        v = f.value  # whole numbers in full: 35184640, not 3.51846e+07
+        value = str(int(v)) if float(v).is_integer() else f"{v:g}"
+        row = f"{f.label:<52} {value:>14}"
         if prev and f.kind != "gauge" and dt > 0:
             row += f"  {(f.value - before.get(f.label, 0)) / dt:>10.1f}"
         if f.kind == "histogram":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -251,6 +252,7 @@ def check_config(*args: str | Path) -> subprocess.CompletedProcess[str]:
         capture_output=True,
         text=True,
         timeout=60,
+        env={**os.environ, "GITHUB_SECRET": "s3cret"},
     )
 
 
@@ -263,8 +265,28 @@ def test_a_toml_file_nested_too_deep_is_one_clear_error(tmp_path: Path) -> None:
 def test_check_config_command(tmp_path: Path) -> None:
     good = check_config(write(tmp_path, REFERENCE))
     assert good.returncode == 0, good.stderr
-    assert "ok (1 sources; fleet kinds: rate_limit, dedupe)" in good.stdout
+    assert "ok (1 sources; fleet kinds: rate_limit, dedupe; secrets read)" in good.stdout
     assert "warning" not in good.stderr
+
+    # A secret serve could not read fails the check, as it would fail the start.
+    unset = subprocess.run(
+        [sys.executable, "-m", "ankusa_shm", "check-config", str(tmp_path / "ankusa.toml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "GITHUB_SECRET"},
+    )
+    assert unset.returncode == 2 and unset.stdout == ""
+    assert "source github: environment variable GITHUB_SECRET is not set" in unset.stderr
+    files = (
+        "[[sources]]\nid = 'a'\ntenant = 't'\n"
+        f"verify = {{ hmac = {{ header = 'x-sig', secret_file = '{tmp_path / 'none'}' }} }}\n"
+        "[server]\nadmin_token_env = 'NO_SUCH_TOKEN'\n"
+    )
+    gone = check_config(write(tmp_path, files, "files.toml"))
+    assert gone.returncode == 2
+    assert f"source a: cannot read secret file {tmp_path / 'none'}" in gone.stderr
+    assert "server.admin_token: environment variable NO_SUCH_TOKEN is not set" in gone.stderr
 
     empty = check_config(write(tmp_path, "", "empty.toml"))  # valid, and surely not meant
     assert empty.returncode == 0 and "ok (0 sources" in empty.stdout

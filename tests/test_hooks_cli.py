@@ -239,3 +239,14 @@ def test_tail_follow_stops_with_one_line_when_the_store_is_missing(tmp_path: Pat
     )
     assert done.returncode == 1 and done.stdout == b""
     assert done.stderr.decode().count("\n") == 1 and b"no such file" in done.stderr
+
+
+def test_a_relative_store_path_missing_says_where_it_was_looked_for(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The embedded default (var/hooks.db) is relative: run from another directory, the
+    error says which one it looked in."""
+    monkeypatch.chdir(tmp_path)
+    status, lines, err = hooks_cmd(capsys, "list")
+    assert (status, lines) == (1, [])
+    assert f"var/hooks.db is relative to {tmp_path}" in err

@@ -38,14 +38,15 @@ CONSOLE = Path(sys.executable).parent / "ankusa-shm"  # the installed console sc
 WRITERS = 2
 
 
-def run(*argv: str | Path) -> subprocess.CompletedProcess[str]:
+def run(*argv: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [str(a) for a in argv], capture_output=True, text=True, timeout=60, cwd=ROOT
+        [str(a) for a in argv], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env
     )
 
 
 def script(*args: str) -> subprocess.CompletedProcess[str]:
-    return run(sys.executable, SCRIPT, *args)
+    """Run as a user would from a shell without the .venv on PATH: the script finds it."""
+    return run(SCRIPT, *args, env={**os.environ, "PATH": "/usr/bin:/bin"})
 
 
 def console(*args: str) -> subprocess.CompletedProcess[str]:

@@ -820,6 +820,23 @@ def test_a_worker_that_cannot_boot_stops_the_supervisor(
     log = svc.log()
     assert "environment variable GH_SECRET is not set" in log
     assert "cannot start" in log and log.count("worker ") < 10  # no respawn loop
+    # The segment this start made, which never served, is not left in /dev/shm.
+    assert not Path("/dev/shm", svc.segment.lstrip("/")).exists()
+    assert "never served" in log
+
+
+def test_a_failed_start_keeps_the_segment_it_re_attached(
+    make: list[Service], tmp_path: Path
+) -> None:
+    """A segment from an earlier run may hold what it queued: a start that fails on it
+    leaves it for the next one."""
+    svc = service(make, tmp_path).start()
+    assert svc.stop() == 0
+    svc.env.pop("GH_SECRET")
+    with pytest.raises(AssertionError, match="service exited 1"):
+        svc.start()
+    assert Path("/dev/shm", svc.segment.lstrip("/")).exists()
+    assert "never served" not in svc.log()
 
 
 def test_a_second_service_on_the_same_port_is_refused(make: list[Service], tmp_path: Path) -> None:

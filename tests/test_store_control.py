@@ -528,6 +528,13 @@ def test_page_json_is_page_as_documents(tmp_path: Path) -> None:
             assert [json.loads(d) for d in docs] == [h.doc() for h in want]
             assert last == want[-1].seq
         assert r.page_json(last, 100) == ([], last)
+        # A filtered page that comes back short has walked every hook up to the last: its
+        # cursor moves on to there, so a poller does not walk them again from 0; a full
+        # one stops at its last hook.
+        assert r.page_json(0, 100, "nosuch") == ([], 12)
+        docs, full = r.page_json(0, 2, "github")
+        assert [json.loads(d)["id"] for d in docs] == ["hook-1", "hook-3"] and full == 4
+        assert r.page_json(99, 100, "github") == ([], 12)  # past the end: the end
     finally:
         r.close()
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import re
 import time
@@ -24,6 +25,7 @@ from typing import Any
 from ankusa_shm.admin.stores import StoreCalls
 from ankusa_shm.config import name_problem
 from ankusa_shm.shm.commits import CommitWord
+from ankusa_shm.store.readers import Reader
 
 NAP_S = 1.0  # the sleeping thread looks again this often whether someone still waits
 DEFAULT_LIMIT = 100
@@ -157,13 +159,17 @@ class ConsumerApi:
             acked = None if name is None else await self._store.read(lambda r: r.consumer(name))
             after = acked or 0
         deadline = time.monotonic() + q.wait_s
-        cursor = after  # bound for the lambda: it runs on the reading thread
+        cursor = after
         while True:
             seen = self._watch.load()  # before the query: a commit after it wakes us
-            docs, last = await self._store.read(lambda r: r.page_json(cursor, q.limit, q.source))
+            page = functools.partial(
+                Reader.page_json, after_seq=cursor, limit=q.limit, source=q.source
+            )
+            docs, last = await self._store.read(page)  # on the reading thread
             left = deadline - time.monotonic()
             if docs or last < cursor or left <= 0 or self._watch.closed:
                 break  # (a cursor past the end is answered at once, with the end)
+            cursor = last  # past the hooks a filtered read walked
             await self._watch.wait(seen, left)
         return 200, f'{{"hooks":[{",".join(docs)}],"cursor":{last}}}'.encode()
 

@@ -140,9 +140,18 @@ class Reader:
         but the key and the body, which may not be UTF-8: a fifth of the cost of making
         ``StoredHook`` objects and encoding them, which is most of what a consumer costs
         the host."""
-        rows = self._after(_DOC_HEAD, after_seq, limit, source)
+        if source is None:
+            rows = self._after(_DOC_HEAD, after_seq, limit, None)
+            last = rows[-1][0] if rows else min(after_seq, self.last_seq())
+        else:
+            # Every hook up to the last seq read first is committed by now: a filtered page
+            # that comes back short has walked them all, and its cursor moves on to there,
+            # so that the next read does not walk them again.
+            upto = self.last_seq()
+            rows = self._after(_DOC_HEAD, after_seq, limit, source, upto)
+            last = rows[-1][0] if len(rows) == limit else upto
         docs = [head[:-1] + _doc_tail(key, body) for _, head, key, body in rows]
-        return docs, rows[-1][0] if rows else min(after_seq, self.last_seq())
+        return docs, last
 
     def claimed_since(self, received_ms: int, limit: int = 1 << 62) -> list[Claimed]:
         """(tenant, source, event key, hook id, expires_ms) of every hook received at or
@@ -171,12 +180,19 @@ class Reader:
             below = seq
         return out, (below if rows and len(rows) == limit else None)
 
-    def _after(self, columns: str, after_seq: int, limit: int, source: str | None) -> list[Any]:
+    def _after(
+        self,
+        columns: str,
+        after_seq: int,
+        limit: int,
+        source: str | None,
+        upto: int = NEWEST,
+    ) -> list[Any]:
         params: list[Any]
         if source is None:
-            sql, params = "seq > ?", [after_seq, limit]
+            sql, params = "seq > ? AND seq <= ?", [after_seq, upto, limit]
         else:
-            sql, params = "seq > ? AND source = ?", [after_seq, source, limit]
+            sql, params = "seq > ? AND seq <= ? AND source = ?", [after_seq, upto, source, limit]
         return self._rows(f"SELECT {columns} FROM hooks WHERE {sql} ORDER BY seq LIMIT ?", params)
 
     def latest(self, n: int) -> list[StoredHook]:
@@ -241,9 +257,12 @@ class Reader:
 
     def _open(self) -> sqlite3.Connection:
         # mode=ro cannot create the file; saying so beats "unable to open database file".
-        if not Path(self.path).exists():
+        path = Path(self.path)
+        if not path.exists():
+            where = "" if path.is_absolute() else f", and {path} is relative to {Path.cwd()}"
             raise StoreError(
-                f"{self.path}: cannot read: no such file (the service creates it when it starts)"
+                f"{self.path}: cannot read: no such file (the service creates it when it "
+                f"starts{where})"
             )
         conn = schema.connect_ro(self.path, any_thread=True)
         self._ids = schema.file_ids(self.path, writer=False)

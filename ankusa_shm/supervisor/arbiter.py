@@ -48,7 +48,7 @@ import setproctitle
 from ankusa_shm import child, config, fds, overrides
 from ankusa_shm.clock import monotonic_ms
 from ankusa_shm.config import Config
-from ankusa_shm.shm import procs, requests
+from ankusa_shm.shm import procs, requests, segment
 from ankusa_shm.shm.procs import Role
 from ankusa_shm.shm.segment import Segment, make_params
 from ankusa_shm.shm.settle_queue import SettleQueue
@@ -181,9 +181,10 @@ class Arbiter:
             self._install_signals()
             setproctitle.setproctitle(f"ankusa-shm: supervisor [{self._seg.name.lstrip('/')}]")
             log.info(
-                "serving on %s with %d workers (segment %s, store %s)",
+                "listening on %s; starting %d worker%s (segment %s, store %s)",
                 self._listeners.describe(),
                 self._target,
+                "" if self._target == 1 else "s",
                 self._seg.name,
                 cfg.store.path,
             )
@@ -195,7 +196,19 @@ class Arbiter:
                 self._admin_socket.close()
             self.notifier.close()
             if self._seg is not None:
-                self._seg.close()
+                self._close_segment(began_ns)
+
+    def _close_segment(self, began_ns: int) -> None:
+        """Unmap the segment, and remove it too if this start made it and never served:
+        tens of MiB of /dev/shm that hold nothing (no settlement is queued in it) are not
+        left behind by a start that failed."""
+        assert self._seg is not None
+        seg, name = self._seg, self._seg.name
+        empty = seg.header().created_ns >= began_ns and seg.queue_depth() == 0
+        seg.close()
+        if empty and self._halt is not None and not self._announced_ready:
+            segment.unlink(name)
+            log.info("segment %s removed: this start made it, and never served", name)
 
     def _loop(self) -> int:
         while True:
@@ -268,7 +281,10 @@ class Arbiter:
                 return
             self._target += 1
             log.info("one worker more: %d", self._target)
-        elif sig == signal.SIGTTOU and self._target > 1:
+        elif sig == signal.SIGTTOU:
+            if self._target == 1:
+                log.warning("TTOU ignored: one worker is the fewest")
+                return
             self._target -= 1
             log.info("one worker less: %d", self._target)
 
@@ -600,7 +616,7 @@ class Arbiter:
         healthy = self._healthy_workers()
         if healthy >= self._target and not self._announced_ready:
             self._announced_ready = True
-            log.info("ready: %s", self._status())
+            log.info("ready: %s", self._status().removeprefix("STATUS="))
             self.notifier.send("READY=1", self._status())
         interval = self.notifier.watchdog_s
         if healthy and interval is not None and now - self._last_watchdog >= interval:
@@ -656,10 +672,16 @@ class Arbiter:
         _check_room(new)
         if self._announced_ready:  # before the first READY=1, systemd has nothing to reload
             self.notifier.send("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
+        signalled = self._target if self._target != _worker_count(self.cfg) else None
         self._previous, self.cfg = self._previous or self.cfg, new
         self._target = _worker_count(new)
         self._publish(new)
-        log.info("HUP: %s read; replacing workers one at a time", self.config_path)
+        log.info(
+            "HUP: %s read; replacing workers one at a time, %d of them (server.workers%s)",
+            self.config_path,
+            self._target,
+            f", not the {signalled} TTIN/TTOU had made it" if signalled else "",
+        )
 
     # -- stopping ---------------------------------------------------------------------------
 
