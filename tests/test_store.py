@@ -703,6 +703,87 @@ def test_a_store_deleted_or_replaced_while_open_is_never_answered_stored(
     assert "deleted or replaced while open" in caplog.text
 
 
+def test_a_database_moved_away_alone_keeps_its_hooks_and_its_log_is_not_deleted(
+    tmp_path: Path,
+) -> None:
+    """``mv hooks.db`` under a running service leaves its log behind, holding the hooks
+    not yet copied in. The writer that finds the database gone copies them into it
+    (through the files it has open) before it lets go, and no new store is made beside
+    the log, which SQLite would delete: unavailable, with the reason, until the database
+    is put back."""
+    cfg = store_cfg(tmp_path)
+    moved = tmp_path / "moved.db"
+    first, cut, refused, after = hook(b"k1"), hook(b"k2"), hook(b"k3"), hook(b"k4")
+
+    async def body() -> list[CommitResult]:
+        async with started(cfg) as w:
+            r1 = await w.commit(first)
+            os.rename(cfg.path, moved)
+            r2 = await w.commit(cut)  # found out: answered unavailable
+            r3 = await w.commit(refused)  # no new store beside the log
+            assert Path(cfg.path + "-wal").exists() and not Path(cfg.path).exists()
+            shutil.copyfile(moved, tmp_path / "copy.db")  # the moved file alone, as it is
+            os.rename(moved, cfg.path)
+            r4 = await w.commit(after)
+            return [r1, r2, r3, r4]
+
+    assert run(body) == [Committed(first.id), UNAVAILABLE, UNAVAILABLE, Committed(after.id)]
+    assert first.id in readers.ids(tmp_path / "copy.db")
+    assert {first.id, after.id} <= readers.ids(cfg.path)
+    orphan = tmp_path / "other" / "hooks.db"  # a log alone, at a first start too
+    orphan.parent.mkdir()
+    Path(f"{orphan}-wal").write_bytes(b"")
+    with pytest.raises(StoreError, match=r"its log .* is still there"):
+        schema.open_writer(orphan, "fsync", 100)
+
+
+def test_a_path_that_cannot_be_looked_at_is_unavailable_until_it_can(tmp_path: Path) -> None:
+    """A directory on the store's path turned into a symlink loop (or made unsearchable):
+    stat() fails with ELOOP (EACCES) rather than ENOENT. Once that killed the writer's
+    thread, leaving the batch it held unanswered for good and every later hook 503. Now
+    the batch is answered unavailable and writing resumes when the path is back; the
+    readers and the admin's writer say so too, and recover."""
+    real, link = tmp_path / "real", tmp_path / "link"
+    real.mkdir()
+    link.symlink_to(real)
+    cfg = config.Store(path=str(link / "hooks.db"))
+    first, cut, after = hook(b"k1"), hook(b"k2"), hook(b"k3")
+    reader = readers.Reader(cfg.path)
+    control = Control(cfg)
+
+    def loop_the_link() -> None:
+        link.unlink()
+        link.symlink_to(link)  # ELOOP
+
+    def mend_the_link() -> None:
+        link.unlink()
+        link.symlink_to(real)
+
+    async def body() -> list[CommitResult]:
+        async with started(cfg) as w:
+            r1 = await w.commit(first)
+            assert reader.ids() == {first.id}
+            control.probe()
+            loop_the_link()
+            r2 = await asyncio.wait_for(w.commit(cut), 5)
+            r3 = await asyncio.wait_for(w.commit(hook(b"k4")), 5)  # the reopen fails too
+            with pytest.raises(StoreError):
+                reader.ids()
+            with pytest.raises(StoreError):
+                control.probe()
+            mend_the_link()
+            r4 = await asyncio.wait_for(w.commit(after), 5)
+            return [r1, r2, r3, r4]
+
+    try:
+        assert run(body) == [Committed(first.id), UNAVAILABLE, UNAVAILABLE, Committed(after.id)]
+        assert after.id in reader.ids()
+        control.probe()
+    finally:
+        reader.close()
+        control.close()
+
+
 @pytest.mark.parametrize("holder", ["hold-flock", "hold-sqlite"])
 def test_lock_held_past_the_bound(tmp_path: Path, holder: str) -> None:
     """Another process holds the writers' flock, or SQLite's own write lock (an operator's

@@ -64,12 +64,17 @@ class StoreProbe:
         return await asyncio.shield(self._running)
 
     async def _probe(self) -> str | None:
+        error: str | None = "the probe did not finish"
         try:
             await self._store.write(Control.probe)
             error = None
         except StoreError as e:
             error = str(e)
-        self._at, self._error, self._running = time.monotonic(), error, None
+        except Exception as e:  # never a probe that fails every later one with it
+            log.exception("the store's readiness probe failed")
+            error = f"{self._store.path}: cannot write: {e}"
+        finally:
+            self._at, self._error, self._running = time.monotonic(), error, None
         return error
 
 

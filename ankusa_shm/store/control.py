@@ -202,11 +202,15 @@ class Control:
         we hold the lock, as the writers do when they open theirs)."""
         if self._conn is not None:
             return self._conn
-        self._conn = schema.open_writer(
+        conn = schema.open_writer(
             self.path, self.cfg.durability, self.cfg.lock_timeout_ms, any_thread=True
         )
         self._ids = schema.file_ids(self.path)
-        return self._conn
+        if self._ids is None:  # as the writers: no commit that could not be checked
+            conn.close()
+            raise StoreError(f"{self.path}: cannot open: its files cannot be looked at")
+        self._conn = conn
+        return conn
 
     def _checkpoint(self) -> None:
         """Without the lock: copy the log into the database (PASSIVE: it waits for no one

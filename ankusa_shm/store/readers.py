@@ -249,7 +249,7 @@ class Reader:
                     if self._conn is None:
                         self._conn = self._open()
                     return self._conn.execute(sql, params).fetchall()
-                except sqlite3.Error as e:
+                except (sqlite3.Error, OSError) as e:  # OSError: the path cannot be looked at
                     self._drop()
                     if not again:
                         raise StoreError(f"{self.path}: cannot read: {e}") from None

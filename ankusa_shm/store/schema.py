@@ -105,7 +105,8 @@ FileIds = tuple[tuple[int, int], ...]
 
 def file_ids(path: str | Path, *, writer: bool = True) -> FileIds | None:
     """The (device, inode) of the store's database and, for a writer, of its log and its
-    shared-memory index; None if one is missing.
+    shared-memory index; None if one is missing or cannot be looked at (a directory on
+    the path made unsearchable, a symlink loop): then no one can say they are the same.
 
     An open connection goes on writing to the files it opened whatever becomes of their
     names: a store deleted or replaced under a running service would take every later
@@ -113,9 +114,12 @@ def file_ids(path: str | Path, *, writer: bool = True) -> FileIds | None:
     compares them after a commit, before anyone is answered (``same_files``). Without
     letting go of the GIL (``_atomics.file_ids``): a writer thread that does, three
     times a batch, waits each time for its busy event loop to give it back."""
-    if writer:
-        return _atomics.file_ids(str(path), f"{path}-wal", f"{path}-shm")
-    return _atomics.file_ids(str(path))
+    try:
+        if writer:
+            return _atomics.file_ids(str(path), f"{path}-wal", f"{path}-shm")
+        return _atomics.file_ids(str(path))
+    except OSError:
+        return None
 
 
 def same_files(path: str | Path, ids: FileIds | None, *, writer: bool = True) -> bool:
@@ -177,6 +181,14 @@ def open_writer(
     names the file; nothing is left open."""
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
+        if not os.path.lexists(path) and os.path.lexists(f"{path}-wal"):
+            # SQLite would delete the log beside a new, empty database: the log of one
+            # moved away under a running service may hold every hook not yet copied in.
+            raise StoreError(
+                f"{path}: cannot open: the database is gone but its log {path}-wal is "
+                "still there, and may hold hooks: put the database back, or remove "
+                f"{path}-wal and {path}-shm for a new store"
+            )
         _create_private(path)
         conn = connect(
             path, durability, busy_timeout_ms, autocheckpoint=False, any_thread=any_thread

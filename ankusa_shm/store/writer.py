@@ -388,6 +388,9 @@ class Writer:
     def _connect(self) -> sqlite3.Connection:
         conn = schema.open_writer(self.path, self.cfg.durability, self.cfg.lock_timeout_ms)
         self._ids = schema.file_ids(self.path)
+        if self._ids is None:  # nothing could then tell its commits from lost ones
+            conn.close()
+            raise StoreError(f"{self.path}: cannot open: its files cannot be looked at")
         return conn
 
     def _drop_connection(self) -> None:
@@ -590,6 +593,9 @@ class Writer:
         )
         self.stats.not_stored += hooks
         self.stats.failures += 1
+        if self._conn is not None:  # a database moved away then holds every hook committed
+            with contextlib.suppress(sqlite3.Error):
+                self._conn.execute(_CHECKPOINT)
         self._drop_connection()
 
     def _fail(self, conn: sqlite3.Connection, e: Exception) -> None:
