@@ -61,6 +61,9 @@ def required(doc: str, check: Check | None = None) -> Any:
     return field(metadata={"doc": doc, "check": check})
 
 
+MAX_BODY_BYTES = 256 << 20
+
+
 def at_least(n: float) -> Check:
     return lambda v: None if v >= n else f"must be at least {n}"
 
@@ -142,7 +145,12 @@ class Server:
     request_metrics: bool = setting(
         True, "Count requests by source and status and keep latency histograms."
     )
-    max_body_bytes: int = setting(1_048_576, "Largest hook body accepted.", at_least(1))
+    max_body_bytes: int = setting(
+        1_048_576,
+        "Largest hook body accepted; at most 256 MiB (a body is held in memory whole, and "
+        "SQLite refuses a value of 1e9 bytes or more).",
+        between(1, MAX_BODY_BYTES),
+    )
     max_header_bytes: int = setting(
         65_536, "Largest request line and headers accepted.", between(1_024, 1_048_576)
     )

@@ -136,6 +136,8 @@ def _follow(path: str, n: int, as_json: bool) -> None:
                 cursor = hooks[-1].seq if hooks else cursor
                 if len(hooks) < _FOLLOW_PAGE:  # caught up: look again in a moment
                     stop.wait(POLL_S)
+                    if not stop.is_set() and cursor > reader.last_seq():
+                        cursor = 0  # the store was replaced: every hook in it is new
                 hooks = [] if stop.is_set() else reader.page(cursor, _FOLLOW_PAGE)
     finally:
         reader.close()

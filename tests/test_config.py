@@ -183,6 +183,8 @@ def test_wrong_type_names_the_key(tmp_path: Path, text: str, key: str) -> None:
         ('[[sources]]\nid = "_overflow"\ntenant = "t"\n', "sources[0].id"),
         # one heartbeat a second: a timeout of 1 aborts a healthy worker whose turn is late
         ("[server]\nheartbeat_timeout_s = 1\n", "server.heartbeat_timeout_s"),
+        # one hook SQLite refuses fails its whole batch: other senders' hooks with it
+        ("[server]\nmax_body_bytes = 1100000000\n", "server.max_body_bytes"),
     ],
 )
 def test_out_of_range_names_the_key(tmp_path: Path, text: str, key: str) -> None:

@@ -218,6 +218,13 @@ def test_tail_follow_prints_each_new_hook_once_in_order(tmp_path: Path) -> None:
         assert [d["seq"] for d in docs] == list(range(4, 4 + len(later)))
         time.sleep(0.5)  # nothing more comes: each hook was printed once
         assert not select.select([out.fd], [], [], 0)[0]
+
+        # The store replaced: its seqs start again, and its hooks are printed all the same.
+        for suffix in ("", "-wal", "-shm"):
+            os.rename(cfg.path + suffix, f"{cfg.path}{suffix}.old")
+        anew = [hook() for _ in range(2)]
+        commit(cfg, anew)
+        assert [json.loads(x)["id"] for x in out.take(2)] == [h.id for h in anew]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
         assert proc.stderr is not None and proc.stderr.read() == b""

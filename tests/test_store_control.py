@@ -304,11 +304,12 @@ def test_overrides_put_get_delete(tmp_path: Path) -> None:
 # -- retention ---------------------------------------------------------------------------------
 
 
-def retain_all(c: Control, older_than_ms: int, batch: int) -> list[int]:
-    """Every batch of one retention run, as the admin process loops it."""
-    runs = [c.retain(older_than_ms, batch)]
-    while runs[-1] == batch:
-        runs.append(c.retain(older_than_ms, batch))
+def retain_all(c: Control, older_than_ms: int, batch: int, **kw: int) -> list[int]:
+    """Every batch of one retention run, as the admin process loops it (the last, 0,
+    left out)."""
+    runs: list[int] = []
+    while n := c.retain(older_than_ms, batch, **kw):
+        runs.append(n)
     return runs
 
 
@@ -319,7 +320,7 @@ def test_retention_by_age_alone_without_consumers(tmp_path: Path) -> None:
     commit_all(cfg, old + young)
     with control(cfg) as c:
         assert retain_all(c, T0, 3) == [3, 3, 3, 1]
-        assert retain_all(c, T0, 3) == [0]
+        assert retain_all(c, T0, 3) == []
     assert [h.id for h in readers.page(cfg.path, 0, 100)] == [h.id for h in young]
     assert readers.last_seq(cfg.path) == 13
 
@@ -332,7 +333,7 @@ def test_retention_keeps_what_a_consumer_has_not_acked(tmp_path: Path) -> None:
     with control(cfg) as c:
         c.ack("billing", seqs[6])
         c.ack("audit", seqs[3])
-        assert retain_all(c, T0, 2) == [2, 2, 0]  # up to the slowest consumer's cursor
+        assert retain_all(c, T0, 2) == [2, 2]  # up to the slowest consumer's cursor
         assert readers.page(cfg.path, 0, 1)[0].seq == seqs[4]
         c.ack("audit", seqs[-1])
         assert retain_all(c, T0, 2) == [2, 1]  # up to billing's
@@ -341,8 +342,23 @@ def test_retention_keeps_what_a_consumer_has_not_acked(tmp_path: Path) -> None:
         assert [h.id for h in readers.page(cfg.path, 0, 100)] == [h.id for h in young]
         assert c.ack("billing", seqs[-1]) == seqs[-1]  # still a valid cursor
         assert c.ack("late", 0) == 0  # a new consumer at 0 holds back everything
-        assert retain_all(c, T0 + 1_000, 5) == [0]
-    assert readers.count(cfg.path) == 3
+        assert retain_all(c, T0 + 1_000, 5) == []
+        assert c.forget("late") and not c.forget("late")  # no longer run: forgotten
+        assert retain_all(c, T0 + 1_000, 5) == [3]
+    assert readers.count(cfg.path) == 0
+
+
+def test_retention_deletes_big_hooks_a_few_megabytes_a_transaction(tmp_path: Path) -> None:
+    """Freeing a big body reads its pages under the writers' lock: a transaction deletes
+    hooks up to ``max_bytes`` (at least one, however big), not ``batch`` of them."""
+    cfg = store_cfg(tmp_path)
+    big = [dataclasses.replace(aged(T0 - 10_000 + i), body=b"x" * 300_000) for i in range(7)]
+    commit_all(cfg, big)
+    with control(cfg) as c:
+        assert retain_all(c, T0, 500, max_bytes=1_000_000) == [3, 3, 1]
+        commit_all(cfg, [dataclasses.replace(aged(T0 - 5_000), body=b"y" * 2_000_000)])
+        assert retain_all(c, T0, 500, max_bytes=1_000_000) == [1]
+    assert readers.count(cfg.path) == 0
 
 
 def test_retention_stops_at_the_first_young_hook(tmp_path: Path) -> None:
@@ -534,7 +550,9 @@ def test_page_json_is_page_as_documents(tmp_path: Path) -> None:
         assert r.page_json(0, 100, "nosuch") == ([], 12)
         docs, full = r.page_json(0, 2, "github")
         assert [json.loads(d)["id"] for d in docs] == ["hook-1", "hook-3"] and full == 4
-        assert r.page_json(99, 100, "github") == ([], 12)  # past the end: the end
+        # Past the end: another store's cursor, answered from the start of this one.
+        assert r.page_json(99, 2, "github") == (docs, 4)
+        assert r.page_json(99, 100) == r.page_json(0, 100)
     finally:
         r.close()
 

@@ -107,7 +107,7 @@ class App:
             ),
             (("v1", "hooks"), {b"GET": self._hooks}),
             (("v1", "hooks", "*"), {b"GET": self._hook}),
-            (("v1", "consumers", "*"), {b"GET": self._consumer}),
+            (("v1", "consumers", "*"), {b"GET": self._consumer, b"DELETE": self._forget}),
             (("v1", "consumers", "*", "ack"), {b"POST": self._ack}),
         ]
 
@@ -260,6 +260,9 @@ class App:
 
     async def _consumer(self, req: Request, args: list[str]) -> Response:
         return _answer(await self._consumers.consumer(args[0]))
+
+    async def _forget(self, req: Request, args: list[str]) -> Response:
+        return _answer(await self._consumers.forget(args[0]))
 
     async def _ack(self, req: Request, args: list[str]) -> Response:
         return _answer(await self._consumers.ack(args[0], req.body))

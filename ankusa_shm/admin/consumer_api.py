@@ -2,7 +2,8 @@
 
 A consumer pages with ``GET /v1/hooks?after=SEQ`` (or ``consumer=NAME``, which starts at
 that consumer's acked cursor) and acks what it has handled with ``POST
-/v1/consumers/{name}/ack``; retention deletes only what every named consumer acked. With
+/v1/consumers/{name}/ack``; retention deletes only what every named consumer acked
+(``DELETE /v1/consumers/{name}`` forgets one no longer run). With
 ``wait`` a caught-up consumer long-polls: it is answered as soon as a worker commits,
 learned from the segment's commit word, on which one thread sleeps while anyone waits,
 so an idle consumer costs nothing until a commit wakes it. (Loading the word every 5 ms
@@ -168,7 +169,7 @@ class ConsumerApi:
             docs, last = await self._store.read(page)  # on the reading thread
             left = deadline - time.monotonic()
             if docs or last < cursor or left <= 0 or self._watch.closed:
-                break  # (a cursor past the end is answered at once, with the end)
+                break  # (another store's cursor is answered at once)
             cursor = last  # past the hooks a filtered read walked
             await self._watch.wait(seen, left)
         return 200, f'{{"hooks":[{",".join(docs)}],"cursor":{last}}}'.encode()
@@ -186,6 +187,13 @@ class ConsumerApi:
         if cursor is None:
             return 404, {"error": "unknown_consumer"}
         return 200, {"consumer": name, "cursor": cursor}
+
+    async def forget(self, name: str) -> Reply:
+        if problem := name_problem(name):
+            return 400, _bad_consumer(problem)
+        if not await self._store.write(lambda c: c.forget(name)):
+            return 404, {"error": "unknown_consumer"}
+        return 200, {"consumer": name, "forgotten": True}
 
     async def ack(self, name: str, body: bytes) -> Reply:
         if problem := name_problem(name):

@@ -124,9 +124,7 @@ async def retain(store: StoreCalls, cutoff_ms: int) -> int:
     """One retention run, in small transactions with a pause between them, so a
     worker's batch never waits long behind a delete; returns how many hooks went."""
     gone = 0
-    while True:
-        n = await store.write(lambda c: c.retain(cutoff_ms, RETAIN_BATCH))
+    while n := await store.write(lambda c: c.retain(cutoff_ms, RETAIN_BATCH)):
         gone += n
-        if n < RETAIN_BATCH:
-            return gone
         await asyncio.sleep(RETAIN_PAUSE_S)
+    return gone

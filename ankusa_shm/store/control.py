@@ -49,11 +49,13 @@ _PROBE = (
 )
 # Retention's candidates: the oldest hooks in seq order (the start of the table, so no
 # scan), none past the slowest consumer's cursor.
-_OLDEST = "SELECT seq, received_ms FROM hooks ORDER BY seq LIMIT ?"
+# length() of a blob or text is read from the row's header: no overflow page is read.
+_OLDEST = "SELECT seq, received_ms, length(body) + length(headers) FROM hooks ORDER BY seq LIMIT ?"
 _OLDEST_ACKED = (
-    "SELECT seq, received_ms FROM hooks"
+    "SELECT seq, received_ms, length(body) + length(headers) FROM hooks"
     " WHERE seq <= (SELECT min(cursor) FROM consumers) ORDER BY seq LIMIT ?"
 )
+RETAIN_BYTES = 4 << 20  # of hooks deleted in one retention transaction: a few ms of lock
 _TX_PAGES = 5  # log pages one small transaction appends, as the writer counts them
 
 
@@ -96,6 +98,15 @@ class Control:
 
         return self._write("ack", write)
 
+    def forget(self, name: str) -> bool:
+        """Forget consumer ``name`` (no longer run: it would hold back retention for
+        good); False if it never acked."""
+
+        def delete(conn: sqlite3.Connection) -> bool:
+            return conn.execute("DELETE FROM consumers WHERE name = ?", (name,)).rowcount > 0
+
+        return self._write("forget consumer", delete)
+
     def put_override(self, tenant: str, rate: float, burst: int) -> None:
         """Hold ``tenant`` to ``rate`` hooks/s with ``burst``, instead of its configured
         limit. A limit ``Limit.of`` refuses is a ValueError."""
@@ -118,22 +129,29 @@ class Control:
         now = self._wall()
         self._write("probe", lambda c: c.execute(_PROBE, (now,)))
 
-    def retain(self, older_than_ms: int, batch: int) -> int:
+    def retain(self, older_than_ms: int, batch: int, max_bytes: int = RETAIN_BYTES) -> int:
         """Delete up to ``batch`` of the oldest hooks received before ``older_than_ms``
-        (wall ms) and, if any consumer is named, acked by every one; returns how many went.
+        (wall ms) and, if any consumer is named, acked by every one, and no more of them
+        than ``max_bytes`` hold (but at least one); returns how many went.
 
-        One small transaction: call it again while it returns ``batch``. It walks the
-        hooks from the oldest in seq order and stops at the first one too young or not
-        acked, so it reads ``batch`` rows, never the table. ``received_ms`` follows the
-        commit order up to the hosts' clock steps and the workers' queueing, so a hook
-        out of order holds back the few behind it until it is old enough too."""
+        One small transaction: call it again until it returns 0. Freeing a big body reads
+        each of its pages, under the lock every writer waits for: 500 hooks of 1 MB held
+        it for over a second. It walks the hooks from the oldest in seq order and stops at
+        the first one too young or not acked, so it reads ``batch`` rows, never the
+        table. ``received_ms`` follows the commit order up to the hosts' clock steps and
+        the workers' queueing, so a hook out of order holds back the few behind it until
+        it is old enough too."""
         if batch < 1:
             raise ValueError(f"batch {batch} must be at least 1")
 
         def delete(conn: sqlite3.Connection) -> int:
             named = conn.execute("SELECT 1 FROM consumers LIMIT 1").fetchone() is not None
             rows = conn.execute(_OLDEST_ACKED if named else _OLDEST, (batch,)).fetchall()
-            n = next((i for i, (_, ms) in enumerate(rows) if ms >= older_than_ms), len(rows))
+            n = size = 0
+            for _, ms, length in rows:
+                if ms >= older_than_ms or (n and size + length > max_bytes):
+                    break
+                n, size = n + 1, size + length
             if n:
                 conn.execute("DELETE FROM hooks WHERE seq <= ?", (rows[n - 1][0],))
             self._log_pages += n

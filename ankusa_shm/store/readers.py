@@ -134,24 +134,21 @@ class Reader:
         self, after_seq: int, limit: int, source: str | None = None
     ) -> tuple[list[str], int]:
         """``page`` as the consumer API sends it: each hook's ``doc()`` as JSON text, and
-        the last seq (``after_seq`` when there is none, or the store's last seq when
-        ``after_seq`` is past it: a cursor from a store since replaced would otherwise skip
-        every hook until the new store's seqs reached it). SQLite writes all of a document
-        but the key and the body, which may not be UTF-8: a fifth of the cost of making
-        ``StoredHook`` objects and encoding them, which is most of what a consumer costs
-        the host."""
-        if source is None:
-            rows = self._after(_DOC_HEAD, after_seq, limit, None)
-            last = rows[-1][0] if rows else min(after_seq, self.last_seq())
-        else:
-            # Every hook up to the last seq read first is committed by now: a filtered page
-            # that comes back short has walked them all, and its cursor moves on to there,
-            # so that the next read does not walk them again.
-            upto = self.last_seq()
-            rows = self._after(_DOC_HEAD, after_seq, limit, source, upto)
-            last = rows[-1][0] if len(rows) == limit else upto
+        the cursor to read on from. SQLite writes all of a document but the key and the
+        body, which may not be UTF-8: a fifth of the cost of making ``StoredHook`` objects
+        and encoding them, which is most of what a consumer costs the host.
+
+        Every hook up to the last seq read first is committed by now: a page that comes
+        back short has walked them all, and its cursor is that seq (a filtered read does
+        not walk them again). A cursor past it is another store's (this one replaced
+        since, or the host's): every hook here is unseen by its reader, who is answered
+        from the start, at least once as ever, rather than after hooks it never read."""
+        upto = self.last_seq()
+        if after_seq > upto:
+            after_seq = 0
+        rows = self._after(_DOC_HEAD, after_seq, limit, source, upto)
         docs = [head[:-1] + _doc_tail(key, body) for _, head, key, body in rows]
-        return docs, last
+        return docs, rows[-1][0] if len(rows) == limit else upto
 
     def claimed_since(self, received_ms: int, limit: int = 1 << 62) -> list[Claimed]:
         """(tenant, source, event key, hook id, expires_ms) of every hook received at or
