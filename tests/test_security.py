@@ -38,13 +38,16 @@ def _mode(name: str) -> int:
     return os.stat(f"/dev/shm/{name}").st_mode & 0o777
 
 
-def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def _cli(
+    *args: str, timeout: float = 60, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "ankusa_shm", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         cwd=ROOT,
+        env=env,
     )
 
 
@@ -248,7 +251,8 @@ def test_a_non_loopback_admin_listener_needs_a_token(tmp_path: Path) -> None:
         assert "server.admin_listen" in r.stderr and "Traceback" not in r.stderr
     guarded = path.read_text() + 'admin_token_env = "ADMIN_TOKEN"\n'
     path.write_text(guarded)
-    assert _cli("check-config", str(path)).returncode == 0  # with a token it may
+    with_token = {**os.environ, "ADMIN_TOKEN": "t0ken"}
+    assert _cli("check-config", str(path), env=with_token).returncode == 0  # with one it may
 
 
 # -- HMAC comparison is constant-time ----------------------------------------------------------
