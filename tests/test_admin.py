@@ -489,6 +489,28 @@ def test_consumers_page_ack_resume_after_a_restart_and_long_poll(
     assert status == 200 and [h["id"] for h in past["hooks"]][:2] == ids[:2]
     assert time.monotonic() - t0 < 2.0
 
+    # A long-poll whose client hangs up ends then, not at the end of its wait: abandoned
+    # polls held the admin's connections (and their sockets) until none was left for a
+    # scrape. One that half-closes is answered at once; one that leaves is let go.
+    fds = len(os.listdir(f"/proc/{svc.one('admin')}/fd"))
+    for how in ("half-close", "close"):
+        t0 = time.monotonic()
+        with socket.create_connection(("127.0.0.1", svc.admin_port), timeout=10) as s:
+            s.sendall(
+                f"GET /v1/hooks?after={page['cursor']}&wait=30 HTTP/1.1\r\nhost: x\r\n\r\n".encode()
+            )
+            time.sleep(0.2)
+            s.shutdown(socket.SHUT_WR)
+            if how == "half-close":
+                answer = s.recv(65536)
+                assert answer.startswith(b"HTTP/1.1 200 ") and b'"hooks":[]' in answer
+                assert time.monotonic() - t0 < 5, "answered at the end of its wait"
+    wait_until(
+        lambda: len(os.listdir(f"/proc/{svc.one('admin')}/fd")) <= fds,
+        timeout=5,
+        what="the abandoned poll's socket let go",
+    )
+
     # A long-poll in flight does not hold up a graceful stop: it is answered at once.
     got.clear()
     waiter = threading.Thread(target=poll, args=(page["cursor"], 30))

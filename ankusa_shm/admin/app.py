@@ -253,7 +253,8 @@ class App:
     # -- consumers ----------------------------------------------------------------------
 
     async def _hooks(self, req: Request, _: list[str]) -> Response:
-        return _answer(await self._consumers.hooks(req.query))
+        gone = req.hung_up() if req.hung_up is not None else None
+        return _answer(await self._consumers.hooks(req.query, gone))
 
     async def _hook(self, req: Request, args: list[str]) -> Response:
         return _answer(await self._consumers.hook(args[0]))

@@ -20,6 +20,7 @@ import json
 import re
 import time
 import urllib.parse
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,9 @@ NAP_S = 1.0  # the sleeping thread looks again this often whether someone still 
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000
 MAX_WAIT_S = 60.0
+# A long-poll filtered to one source reads again at most this often: woken by every
+# commit of any source, one poller on a quiet source took a third of a core.
+FILTERED_EVERY_S = 0.1
 _WHOLE = re.compile(r"^[0-9]{1,18}\Z")
 _SECONDS = re.compile(r"^[0-9]{1,2}(\.[0-9]{1,3})?\Z")
 
@@ -149,7 +153,10 @@ class ConsumerApi:
         self._store = store
         self._watch = watch
 
-    async def hooks(self, query: bytes) -> Reply:
+    async def hooks(self, query: bytes, gone: asyncio.Future[None] | None = None) -> Reply:
+        """A page of hooks; with ``wait``, once there is one, the wait is over, or ``gone``
+        (its client hung up: an abandoned poll held its connection and its socket, and the
+        admin's connections ran out, for the rest of its wait)."""
         try:
             q = parse_query(query)
         except BadQuery as e:
@@ -170,8 +177,12 @@ class ConsumerApi:
             left = deadline - time.monotonic()
             if docs or last < cursor or left <= 0 or self._watch.closed:
                 break  # (another store's cursor is answered at once)
+            if gone is not None and gone.done():
+                break
             cursor = last  # past the hooks a filtered read walked
-            await self._watch.wait(seen, left)
+            await _until(self._watch.wait(seen, left), gone)
+            if q.source is not None:  # most commits are of other sources: read less often
+                await _until(asyncio.sleep(min(FILTERED_EVERY_S, left)), gone)
         return 200, f'{{"hooks":[{",".join(docs)}],"cursor":{last}}}'.encode()
 
     async def hook(self, hook_id: str) -> Reply:
@@ -215,6 +226,18 @@ class ConsumerApi:
         except ValueError as e:
             return 400, _bad_ack("cursor", str(e))
         return 200, {"consumer": name, "cursor": stored}
+
+
+async def _until(wait: Coroutine[Any, Any, None], gone: asyncio.Future[None] | None) -> None:
+    """``wait``, cut short once ``gone`` is done."""
+    if gone is None:
+        return await wait
+    task = asyncio.ensure_future(wait)
+    await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 def _bad_consumer(problem: str) -> dict[str, Any]:

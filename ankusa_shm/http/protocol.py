@@ -1,11 +1,12 @@
 """HTTP/1.1 framing over asyncio, parsed by httptools: keep-alive, pipelining, bodies of
 either framing, and the limits that keep one client from costing the others.
 
-A connection parses everything it receives; each complete request goes onto the
-connection's pipeline and is answered in order by one task at a time, so a pipelined
-burst is answered in the order it was sent. Reading pauses while the pipeline is deep and
-while the transport cannot write, so a client that sends without reading cannot grow
-our memory. Limits: a request line plus headers larger than ``max_header_bytes`` is 431;
+A connection parses what it receives a slice at a time; each complete request goes onto
+the connection's pipeline and is answered in order by one task at a time, so a pipelined
+burst is answered in the order it was sent. Once the pipeline is deep, the rest of a read
+is held unparsed (a request parsed takes several times its bytes) and reading pauses until
+answers make room, so a client that sends without reading cannot grow our memory.
+Limits: a request line plus headers larger than ``max_header_bytes`` is 431;
 a body larger than ``max_body_bytes`` is 413 as soon as the ``Content-Length`` (or the
 chunks seen so far) says so, without reading the rest; a transfer coding other than
 chunked is 501; bytes that do not parse are 400, and so is a request with more than one
@@ -47,6 +48,10 @@ log = logging.getLogger("ankusa_shm.http")
 
 SWEEP_S = 0.25
 PIPELINE_DEPTH = 16  # requests parsed ahead of their answers before reading pauses
+# Parsed at a time, so that a read holding a burst of requests stops being parsed near
+# the pipeline's depth: 2,000 pipelined in one read once took 1.7 MiB of heap, kept by
+# the process after. A big body costs a few more calls (measured: 0.14 ms a MiB, not 0.05).
+FEED_BYTES = 8192
 LINGER_S = 1.0  # after an error answer: how long to discard what the client still sends
 SHED_LOG_S = 60.0  # at most one warning this often while connections are being shed
 # On a graceful stop: how long an idle connection is kept for a request its client may be
@@ -65,6 +70,9 @@ class Request:
     body: bytes
     query: bytes = b""  # after the "?", undecoded
     started_ns: int = 0  # monotonic, when its first byte was parsed
+    # done once its client has sent all it will or is gone: for a handler that would
+    # otherwise go on waiting for it (a long-poll)
+    hung_up: Callable[[], asyncio.Future[None]] | None = None
 
 
 @dataclass(slots=True)
@@ -172,6 +180,9 @@ class Connection(asyncio.Protocol):
         self._can_write = asyncio.Event()
         self._can_write.set()
         self._reading = True
+        self._held = b""  # read, not yet parsed: the pipeline was deep
+        self._eof = False  # the client sent all it will send (what is held is still read)
+        self._hangup: asyncio.Future[None] | None = None  # made when a handler asks
         self._closing = False  # no more requests are read: answering what is queued
         self._lingering = False
         # an error answer kept until the answers queued before it are written: the answer,
@@ -207,6 +218,7 @@ class Connection(asyncio.Protocol):
         self._server.idle.pop(self, None)
         self._transport = None
         self._can_write.set()
+        self._tell_hangup()
         # No answer can reach its client now: the requests not begun are dropped, and the
         # one being handled is finished, its answer unsent. Cancelled, a hook admitted but
         # not yet committed left its claim pending in Redis, and the client's retry was
@@ -214,14 +226,28 @@ class Connection(asyncio.Protocol):
         # its duplicate. Until it is, the connection still counts: a graceful stop waits
         # for it, and it holds its place under ``max_connections``.
         self._pipeline.clear()
+        self._held = b""
         if self._task is None:
             self._server.connections.discard(self)
 
     def data_received(self, data: bytes) -> None:
         self._server.idle.pop(self, None)  # not idle: may not be closed to make room
-        rest: bytes | memoryview = data
-        while rest and not self._closing:  # once closing (an error, or stopping): discarded
-            rest = self._feed(rest)
+        self._parse(self._held + data if self._held else data)
+
+    def _parse(self, data: bytes) -> None:
+        """Feed ``data`` to the parser a slice at a time, holding what is left once the
+        pipeline is deep; once closing (an error, or stopping), the rest is discarded."""
+        view = memoryview(data)
+        self._held = b""
+        while view and not self._closing:
+            if len(self._pipeline) >= PIPELINE_DEPTH:
+                self._held = bytes(view)
+                self._pause_reading()
+                return
+            rest = self._feed(view[:FEED_BYTES])
+            view = memoryview(bytes(rest) + bytes(view[FEED_BYTES:])) if rest else view[FEED_BYTES:]
+        if self._eof:  # all it sent is parsed now
+            self._closing = True
 
     def _feed(self, data: bytes | memoryview) -> bytes | memoryview:
         """Parse ``data``; what is left to parse when a request asked to upgrade."""
@@ -262,11 +288,27 @@ class Connection(asyncio.Protocol):
 
     def eof_received(self) -> bool | None:
         # A half-closed client may still read our answers to what it sent.
+        self._eof = True
+        self._tell_hangup()
+        if self._held:  # closing once what it sent is parsed
+            return True
         self._closing = True
         idle = self._task is None and not self._pipeline
         if (self._lingering or idle) and self._transport is not None:
             self._transport.close()
         return True
+
+    def hung_up(self) -> asyncio.Future[None]:
+        """Done once the client has sent all it will (it may still read) or is gone."""
+        if self._hangup is None:
+            self._hangup = self._loop.create_future()
+            if self._eof or self._transport is None:
+                self._hangup.set_result(None)
+        return self._hangup
+
+    def _tell_hangup(self) -> None:
+        if self._hangup is not None and not self._hangup.done():
+            self._hangup.set_result(None)
 
     def pause_writing(self) -> None:
         self._can_write.clear()
@@ -363,7 +405,8 @@ class Connection(asyncio.Protocol):
         if path[:1] != b"/":
             path = _origin_path(path)
         body = b"".join(self._body)
-        req = Request(self._parser.get_method(), path, self._headers, body, query, self._started_ns)
+        method, started = self._parser.get_method(), self._started_ns
+        req = Request(method, path, self._headers, body, query, started, self.hung_up)
         self._in_request = False
         self._deadline = 0.0
         keep_alive = self._parser.should_keep_alive()
@@ -519,7 +562,11 @@ class Connection(asyncio.Protocol):
             self._transport.pause_reading()
 
     def _resume_reading(self) -> None:
-        if not self._reading and self._transport is not None:
+        if self._held:
+            self._parse(self._held)
+            if self._held:  # deep again
+                return
+        if not self._reading and self._transport is not None and not self._eof:
             self._reading = True
             self._transport.resume_reading()
 
