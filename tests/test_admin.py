@@ -502,8 +502,8 @@ def test_consumers_page_ack_resume_after_a_restart_and_long_poll(
             time.sleep(0.2)
             s.shutdown(socket.SHUT_WR)
             if how == "half-close":
-                answer = s.recv(65536)
-                assert answer.startswith(b"HTTP/1.1 200 ") and b'"hooks":[]' in answer
+                reply = s.recv(65536)
+                assert reply.startswith(b"HTTP/1.1 200 ") and b'"hooks":[]' in reply
                 assert time.monotonic() - t0 < 5, "answered at the end of its wait"
     wait_until(
         lambda: len(os.listdir(f"/proc/{svc.one('admin')}/fd")) <= fds,
