@@ -38,7 +38,8 @@ processes writing at once cannot keep the log from being rewound (``_checkpoint`
 A store that cannot write (disk full, read-only, I/O error, locked past the bound) answers
 ``NotStored`` for the hooks it had and keeps serving: the transaction is rolled back and
 the connection reopened before the next one. Between batches the same thread sweeps
-expired rows out of the dedupe index, a few hundred per transaction.
+expired rows out of the dedupe index, a few hundred per transaction, and answers
+``stored`` (is this event here already?) with a read outside the lock.
 """
 
 from __future__ import annotations
