@@ -62,6 +62,7 @@ def required(doc: str, check: Check | None = None) -> Any:
 
 
 MAX_BODY_BYTES = 256 << 20
+NODE_SETTLE_CAPACITY = 1024  # the settle queue of a service started without a fleet scope
 
 
 def at_least(n: float) -> Check:
@@ -463,6 +464,16 @@ class Config:
         """The kinds answered by the fleet store: ``rate_limit`` and/or ``dedupe``."""
         kinds = (("rate_limit", self.rate_limits.scope), ("dedupe", self.dedupe.scope))
         return tuple(k for k, scope in kinds if scope == "fleet")
+
+    @property
+    def settle_capacity(self) -> int:
+        """The settle queue's slots: ``fleet.settle_queue_size`` with a fleet scope. With
+        none, nothing is queued, and a ring of that size would only take /dev/shm (its
+        slots are numbered when it is made: 31 MB resident at 50,000); a small one keeps
+        a reload to a fleet scope working until the next restart, its drops made good
+        from the store."""
+        size = self.fleet.settle_queue_size
+        return size if self.fleet_kinds else min(size, NODE_SETTLE_CAPACITY)
 
     @property
     def dedupe_window_s(self) -> int:

@@ -67,7 +67,7 @@ class Worker:
         """Whether every hook stored since ``since_ms`` had its promote queued."""
         # The newest, up to half the settle queue: the rest is room for the hooks served
         # meanwhile, and a look back over days of hooks must not fill it.
-        most = self._cfg.fleet.settle_queue_size // 2
+        most = self._seg.layout.params.queue_capacity // 2  # the ring made at start
         try:
             hooks = await asyncio.to_thread(
                 readers.claimed_since, self._cfg.store.path, since_ms, most

@@ -29,6 +29,7 @@ from load_client import GITHUB_SOURCE, SECRET, Load, signed
 from redis_server import RedisServer
 from service import Service
 
+from ankusa_shm import config
 from ankusa_shm.clock import monotonic_ms
 from ankusa_shm.shm import layout as L
 from ankusa_shm.shm import pids, procs
@@ -889,6 +890,29 @@ def test_hup_applies_a_new_limit_without_refusing_a_connection(
     wait_until(lambda: "rate_limits.scope" in svc.log(), what="the bad key in the log")
     assert "the running configuration keeps serving" in svc.log()
     assert svc.post("github", b"{}", signed(b"{}")).status == 201
+
+
+def test_a_node_scope_start_makes_a_small_settle_queue_and_a_reload_to_fleet_works(
+    make: list[Service], tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """With no fleet scope nothing is queued: the ring is 1024 slots, not the 50,000 of
+    the default (whose numbered slots took 31 MB of /dev/shm). A reload to a fleet scope
+    says its queue stays that small until a restart, and its hooks reach Redis."""
+    svc = service(make, tmp_path).start()
+    with Segment.attach(svc.segment, readonly=True) as seg:
+        assert seg.layout.params.queue_capacity == config.NODE_SETTLE_CAPACITY
+    svc.rewrite(fleet_config(redis_server))
+    svc.send(signal.SIGHUP)
+    svc.wait_for("RELOADING=1")
+    svc.wait_for("READY=1")
+    assert "its settle queue holds 1024 operations until the next restart" in svc.log()
+    body = b'{"n": 1}'
+    headers = signed(body)
+    hook_id = svc.post("github", body, headers).body["id"]
+    key = f"ankusa:{{acme}}:dd:github:{headers['x-github-delivery']}"
+    r = redis_server.client()
+    wait_until(lambda: r.get(key) == f"c:{hook_id}".encode(), what="the hook promoted")
+    assert svc.stop() == 0
 
 
 def _listeners(port: int) -> list[list[str]]:

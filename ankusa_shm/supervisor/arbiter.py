@@ -163,9 +163,7 @@ class Arbiter:
             self._listeners = socks.Listeners(cfg.server.listen, cfg.server.backlog)
             if cfg.server.admin_listen:
                 (self._admin_socket,) = socks.bind([cfg.server.admin_listen], config.ADMIN_BACKLOG)
-            self._seg = Segment.open_for_owner(
-                cfg.server.segment, make_params(cfg.fleet.settle_queue_size)
-            )
+            self._seg = Segment.open_for_owner(cfg.server.segment, make_params(cfg.settle_capacity))
             self._queue = SettleQueue(self._seg.view, self._seg.buf, self._seg.layout)
             if self._seg.header().created_ns < began_ns:  # re-attached: its owner may have died
                 if recovery.stopped_settled(cfg, self._seg):
@@ -787,7 +785,16 @@ def _keep_restart_only(old: Config, new: Config) -> Config:
     ):
         if before != after:
             log.warning("HUP: %s changed; it takes effect at the next restart", name)
-    return dataclasses.replace(new, server=server, fleet=fleet, store=store)
+    kept = dataclasses.replace(new, server=server, fleet=fleet, store=store)
+    if kept.settle_capacity > old.settle_capacity:  # a fleet scope on a node-scope start
+        log.warning(
+            "HUP: a fleet scope on a service started without one: its settle queue holds "
+            "%d operations until the next restart gives it fleet.settle_queue_size (%d); "
+            "what it drops meanwhile is promoted again from the store",
+            old.settle_capacity,
+            kept.fleet.settle_queue_size,
+        )
+    return kept
 
 
 def _kill(pid: int, sig: int) -> None:
