@@ -301,7 +301,11 @@ class Fleet:
     )
     breaker_open_ms: int = setting(5_000, "How long it stays open before a probe.", at_least(1))
     pending_ttl_ms: int = setting(30_000, "Life of an unsettled claim.", between(1_000, 86_400_000))
-    settle_queue_size: int = setting(50_000, "Settle queue capacity.", between(16, 10_000_000))
+    settle_queue_size: int = setting(
+        50_000,
+        "Settle queue capacity, with a fleet scope (without one, at most 1024 at start).",
+        between(16, 10_000_000),
+    )
     settle_interval_ms: int = setting(5, "Drainer's pause between batches.", between(1, 10_000))
     settle_batch_max: int = setting(1_000, "Operations per drain round trip.", between(1, 100_000))
     settle_timeout_ms: int = setting(2_000, "Budget of one drain round trip.", between(10, 600_000))
