@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import ipaddress
+import json
 import re
 import tomllib
 import types
@@ -672,6 +673,24 @@ def _cross_checks(cfg: Config, origin: str) -> None:
 _EXPANDED = (Config, Source, Verify)
 
 
+def _as_toml(value: object) -> str:
+    """A default as it would be written in the file; ``(none)`` for a setting unset."""
+    if value is None:
+        return "(none)"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(map(_as_toml, value)) + "]"
+    if isinstance(value, dict):
+        items = ", ".join(f"{k} = {_as_toml(v)}" for k, v in value.items())
+        return f"{{ {items} }}" if items else "{}"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _as_toml({f.name: getattr(value, f.name) for f in dataclasses.fields(value)})
+    return repr(value)
+
+
 def describe() -> list[tuple[str, str, str]]:
     """(key, default, doc) for every setting, for ``check-config --list`` and the docs."""
     rows: list[tuple[str, str, str]] = []
@@ -692,9 +711,9 @@ def describe() -> list[tuple[str, str, str]]:
                 walk(typing.cast(type[Any], table), key + ".")
                 continue
             if f.default is not dataclasses.MISSING:
-                default = repr(f.default)
+                default = _as_toml(f.default)
             elif f.default_factory is not dataclasses.MISSING:
-                default = repr(f.default_factory())
+                default = _as_toml(f.default_factory())
             else:
                 default = "(required)"
             rows.append((key, default, f.metadata.get("doc", "")))

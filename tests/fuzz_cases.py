@@ -15,7 +15,6 @@ by its own strict-xfail test.
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import dataclasses
 import datetime
@@ -32,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 import traceback
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -167,7 +167,7 @@ def bounded(seconds: float) -> Iterator[None]:
 
 # == config ===================================================================================
 
-Leaf = str  # a setting's default, as describe() shows it
+Leaf = str  # a setting's default, as describe() shows it (in TOML)
 
 
 def schema() -> dict[str, Any]:
@@ -270,9 +270,9 @@ toml_values = st.recursive(
 def _plausible(default: Leaf) -> st.SearchStrategy[Any]:
     """Mostly the default itself or a value of its type, so that most documents get past
     their first key to the checks further in; now and then anything at all."""
-    try:
-        value = ast.literal_eval(default)
-    except (ValueError, SyntaxError):
+    try:  # as TOML, which describe() writes, "(none)" for a setting unset
+        value = None if default == "(none)" else tomllib.loads(f"v = {default}")["v"]
+    except tomllib.TOMLDecodeError:
         return toml_values
     if value is None:
         return weighted((3, _typed(value)), (1, toml_values))

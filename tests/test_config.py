@@ -311,3 +311,9 @@ def test_check_config_command(tmp_path: Path) -> None:
     assert listing.returncode == 0
     keys = {line.split()[0] for line in listing.stdout.splitlines()}
     assert {"server.listen", "fleet.breaker_open_ms", "sources[].verify.hmac.header"} <= keys
+    # Each default as it is written in the file, not as Python prints it.
+    defaults = {line.split()[0]: line.split(None, 1)[1] for line in listing.stdout.splitlines()}
+    assert defaults["server.listen"].startswith('["127.0.0.1:8080"] ')
+    assert defaults["rate_limits.default"].startswith("{ rate = 100, burst = 200 } ")
+    assert defaults["fleet.cluster"].startswith("false ")
+    assert defaults["sources[].dedupe.preset"].startswith("(none) ")
