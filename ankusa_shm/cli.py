@@ -104,7 +104,7 @@ def _check_config(file: str | None, list_settings: bool, connect: bool = False) 
 
 def _unreadable_secrets(cfg: config.Config) -> list[str]:
     """Every secret ``serve`` would fail to start on, said without its value."""
-    from ankusa_shm.credentials import MissingSecret, read_secret
+    from ankusa_shm.credentials import MissingSecret, admin_token, read_secret
     from ankusa_shm.http.verify import verifier_for
 
     problems = []
@@ -112,13 +112,11 @@ def _unreadable_secrets(cfg: config.Config) -> list[str]:
         try:
             verifier_for(source)
         except MissingSecret as e:
-            why = str(e)
-            problems.append(why if why.startswith("source ") else f"source {source.id}: {why}")
+            problems.append(str(e))
     s = cfg.server
-    if s.admin_listen and (s.admin_token_env or s.admin_token_file):
+    if s.admin_listen:
         try:
-            if not read_secret(s.admin_token_env, s.admin_token_file):
-                problems.append("server.admin_token: it is empty")
+            admin_token(s.admin_token_env, s.admin_token_file)
         except MissingSecret as e:
             problems.append(f"server.admin_token: {e}")
     if cfg.fleet_kinds:

@@ -30,3 +30,14 @@ def read_secret(env: str = "", file: str = "") -> str:
         except ValueError:  # a NUL in the path: no file can have that name
             raise MissingSecret(f"cannot read secret file {file!r}: not a path") from None
     return ""
+
+
+def admin_token(env: str = "", file: str = "") -> bytes | None:
+    """The admin API's bearer token, or None when none is named (a loopback listener: the
+    config refuses any other address without one); an empty one is missing."""
+    if not (env or file):
+        return None
+    token = read_secret(env, file)
+    if not token:
+        raise MissingSecret("it is empty")
+    return token.encode()

@@ -27,8 +27,8 @@ LIMITS = Limits(
 
 def test_a_pipelined_burst_is_parsed_only_as_deep_as_the_pipeline() -> None:
     """2,000 requests in one burst, none answered yet: the connection parses about as many
-    as its pipeline holds and keeps the rest as the bytes they came as (parsed, the burst
-    took 1.7 MiB of heap, never given back). Once answers flow, every request is answered
+    as its pipeline holds and keeps the rest as the bytes they came as, which take a
+    fraction of what they do parsed. Once answers flow, every request is answered
     in the order it was sent, and the half-close after the burst loses none of them."""
     bodies = [b'{"n":%d}' % i for i in range(2000)]
     burst = b"".join(

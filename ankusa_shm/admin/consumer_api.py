@@ -175,10 +175,9 @@ class ConsumerApi:
             )
             docs, last = await self._store.read(page)  # on the reading thread
             left = deadline - time.monotonic()
-            if docs or last < cursor or left <= 0 or self._watch.closed:
+            hung_up = gone is not None and gone.done()
+            if docs or last < cursor or left <= 0 or self._watch.closed or hung_up:
                 break  # (another store's cursor is answered at once)
-            if gone is not None and gone.done():
-                break
             cursor = last  # past the hooks a filtered read walked
             await _until(self._watch.wait(seen, left), gone)
             if q.source is not None:  # most commits are of other sources: read less often

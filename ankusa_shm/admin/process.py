@@ -25,7 +25,7 @@ from ankusa_shm.admin.stores import StoreCalls
 from ankusa_shm.child import BootError, Life, freeze_heap
 from ankusa_shm.clock import wall_ms
 from ankusa_shm.config import Config
-from ankusa_shm.credentials import MissingSecret, read_secret
+from ankusa_shm.credentials import MissingSecret, admin_token, read_secret
 from ankusa_shm.fleet.admission import Fleet
 from ankusa_shm.fleet.redis_store import RedisStore
 from ankusa_shm.http.protocol import HttpServer, Limits
@@ -46,7 +46,7 @@ def main(
 ) -> int:
     """The admin process's life, from the supervisor's fork to its exit status."""
     try:
-        token = _token(cfg)
+        token = admin_token(cfg.server.admin_token_env, cfg.server.admin_token_file)
     except MissingSecret as e:
         raise BootError(f"admin token: {e}") from None
     try:
@@ -55,18 +55,6 @@ def main(
         raise BootError(str(e)) from None
     status: int = uvloop.run(_serve(cfg, seg, slot, sock, ready, token, password))
     return status
-
-
-def _token(cfg: Config) -> bytes | None:
-    """The bearer token, or None when the config names none (a loopback listener: the
-    config refuses any other address without one)."""
-    s = cfg.server
-    if not (s.admin_token_env or s.admin_token_file):
-        return None
-    token = read_secret(s.admin_token_env, s.admin_token_file)
-    if not token:
-        raise MissingSecret("it is empty")
-    return token.encode()
 
 
 async def _serve(

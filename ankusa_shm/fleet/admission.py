@@ -133,7 +133,7 @@ class Fleet:
     async def admit(self, source: Source, envelope: Envelope) -> Admitted:
         """Charge the tenant and claim the event key, in whatever scope the config says."""
         now = self._clock()
-        limit = self._overrides.get(source.tenant) or self._limits.limit_for(source.tenant)
+        limit = self._limit(source.tenant)
         event_key = envelope.event_key if self._dedupe_fleet else None
         if event_key is None and not self._rate_fleet:
             # Nothing for the fleet to do: both scopes node, or a keyless hook whose rate
@@ -164,8 +164,7 @@ class Fleet:
         a fleet bucket is never charged for one: with a node-scope rate limit only (a fleet
         bucket's would be one more call)."""
         if not self._rate_fleet:
-            limit = self._overrides.get(source.tenant) or self._limits.limit_for(source.tenant)
-            self._gcra.refund(source.tenant, limit, self._clock() // 1000)
+            self._gcra.refund(source.tenant, self._limit(source.tenant), self._clock() // 1000)
 
     def settle(self, claim: Claim | None, result: CommitResult) -> None:
         """Queue the outcome of the commit that followed ``admit`` (``Settler.settle``).
@@ -279,6 +278,9 @@ class Fleet:
         if self._rate_fleet:
             return Admit(claim)
         return self._take_local(tenant, limit, now, claim)
+
+    def _limit(self, tenant: str) -> Limit:
+        return self._overrides.get(tenant) or self._limits.limit_for(tenant)
 
     def _take_local(self, tenant: str, limit: Limit, now: int, claim: Claim | None) -> Admitted:
         """This host's bucket decides; a refused hook gives back whatever it claimed."""

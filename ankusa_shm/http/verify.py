@@ -209,7 +209,10 @@ def _unbase64(text: str) -> bytes | None:
 
 
 def _secret(source: config.Source, spec: config.SignatureScheme) -> str:
-    secret = read_secret(spec.secret_env, spec.secret_file)
+    try:
+        secret = read_secret(spec.secret_env, spec.secret_file)
+    except MissingSecret as e:  # which source's, for the worker's boot error too
+        raise MissingSecret(f"source {source.id}: {e}") from None
     if not secret:
         raise InvalidSecret(f"source {source.id}: the secret from {_origin(spec)} is empty")
     return secret

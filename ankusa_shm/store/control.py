@@ -220,15 +220,10 @@ class Control:
         we hold the lock, as the writers do when they open theirs)."""
         if self._conn is not None:
             return self._conn
-        conn = schema.open_writer(
+        self._conn, self._ids = schema.open_checked(
             self.path, self.cfg.durability, self.cfg.lock_timeout_ms, any_thread=True
         )
-        self._ids = schema.file_ids(self.path)
-        if self._ids is None:  # as the writers: no commit that could not be checked
-            conn.close()
-            raise StoreError(f"{self.path}: cannot open: its files cannot be looked at")
-        self._conn = conn
-        return conn
+        return self._conn
 
     def _checkpoint(self) -> None:
         """Without the lock: copy the log into the database (PASSIVE: it waits for no one

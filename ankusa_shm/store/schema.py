@@ -207,6 +207,20 @@ def open_writer(
     return conn
 
 
+def open_checked(
+    path: str | Path, durability: Durability, busy_timeout_ms: int, *, any_thread: bool = False
+) -> tuple[sqlite3.Connection, FileIds]:
+    """``open_writer``, and the ids of the files it opened, for ``same_files`` after each
+    commit. Files that cannot be looked at are a ``StoreError``: no commit on them could
+    be told from one lost to a store deleted under it."""
+    conn = open_writer(path, durability, busy_timeout_ms, any_thread=any_thread)
+    ids = file_ids(path)
+    if ids is None:
+        conn.close()
+        raise StoreError(f"{path}: cannot open: its files cannot be looked at")
+    return conn, ids
+
+
 def _create_private(path: str | Path) -> None:
     """A new store's file, empty and readable by its owner alone: it holds every hook's
     body and headers, and SQLite gives its log and shm index the database file's mode."""

@@ -387,11 +387,9 @@ class Writer:
         self._lock.release()
 
     def _connect(self) -> sqlite3.Connection:
-        conn = schema.open_writer(self.path, self.cfg.durability, self.cfg.lock_timeout_ms)
-        self._ids = schema.file_ids(self.path)
-        if self._ids is None:  # nothing could then tell its commits from lost ones
-            conn.close()
-            raise StoreError(f"{self.path}: cannot open: its files cannot be looked at")
+        conn, self._ids = schema.open_checked(
+            self.path, self.cfg.durability, self.cfg.lock_timeout_ms
+        )
         return conn
 
     def _drop_connection(self) -> None:
@@ -411,8 +409,7 @@ class Writer:
                 self._wait_for_work(sweep_at if swept is None else 0.0)
                 stopping = self._stopping
                 # Not a batch the loop is still adding to, if a lookup or the sweep woke us.
-                hooks = bool(self._ripe or len(self._queue) >= self._max_batch or stopping)
-                hooks = hooks and bool(self._queue)
+                hooks = bool(self._queue) and self._batch_due()
                 lookups, self._lookups = self._lookups, []
             if lookups:
                 self._look_up(lookups)
@@ -431,17 +428,11 @@ class Writer:
                 self._checkpoint()
 
     def _wait_for_work(self, sweep_at: float) -> None:
-        """Under ``_cond``: sleep until a batch is ripe (or ``max_batch`` hooks are queued),
-        a sweep is due or asked for, or stop; then give the batch's first hook up to
+        """Under ``_cond``: sleep until a batch is due (``_batch_due``), a sweep is due or
+        asked for, or a lookup is asked; then give the batch's first hook up to
         ``commit_wait_ms`` in all to find company."""
         self._wake_at = self._max_batch
-        while not (
-            self._ripe
-            or len(self._queue) >= self._max_batch
-            or self._stopping
-            or self._sweep_waiters
-            or self._lookups
-        ):
+        while not (self._batch_due() or self._sweep_waiters or self._lookups):
             left = sweep_at - time.monotonic()
             if left <= 0:
                 break
@@ -454,6 +445,11 @@ class Writer:
                     break
                 self._cond.wait(left_ns / 1e9)
         self._wake_at = _NEVER
+
+    def _batch_due(self) -> bool:
+        """Under ``_cond``: the loop has ended the turn of what is queued (or queued a whole
+        batch), or we are stopping."""
+        return bool(self._ripe or len(self._queue) >= self._max_batch or self._stopping)
 
     def _take(self, everything: bool) -> tuple[list[_Item], list[_Item]]:
         """Take the next batch off the queue (all of it when ``everything``), and apart from

@@ -658,6 +658,16 @@ class Arbiter:
             log.error("HUP: %s; the running configuration keeps serving", e)
             return
         new = _keep_restart_only(self.cfg, new)
+        assert self._seg is not None
+        ring = self._seg.layout.params.queue_capacity
+        if new.settle_capacity > ring:  # a fleet scope on a service started without one
+            log.warning(
+                "HUP: a fleet scope on a service started without one: its settle queue holds "
+                "%d operations until the next restart gives it fleet.settle_queue_size (%d); "
+                "what it drops meanwhile is promoted again from the store",
+                ring,
+                new.settle_capacity,
+            )
         try:  # e.g. a token dropped while the kept admin address is not loopback
             config.check(new)
         except config.ConfigError as e:
@@ -785,16 +795,7 @@ def _keep_restart_only(old: Config, new: Config) -> Config:
     ):
         if before != after:
             log.warning("HUP: %s changed; it takes effect at the next restart", name)
-    kept = dataclasses.replace(new, server=server, fleet=fleet, store=store)
-    if kept.settle_capacity > old.settle_capacity:  # a fleet scope on a node-scope start
-        log.warning(
-            "HUP: a fleet scope on a service started without one: its settle queue holds "
-            "%d operations until the next restart gives it fleet.settle_queue_size (%d); "
-            "what it drops meanwhile is promoted again from the store",
-            old.settle_capacity,
-            kept.fleet.settle_queue_size,
-        )
-    return kept
+    return dataclasses.replace(new, server=server, fleet=fleet, store=store)
 
 
 def _kill(pid: int, sig: int) -> None:
