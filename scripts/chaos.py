@@ -24,13 +24,18 @@ provider does. While it runs, faults are injected on a schedule scaled to the du
   store-full       a host whose store is on a small tmpfs that is filled (needs root)
   redis-full       redis-server at its maxmemory under noeviction: it refuses writes (-OOM)
                    and still answers reads
+  reload           SIGHUP: every worker replaced, one at a time, under the load
+  scale            SIGTTIN, then SIGTTOU once the extra worker serves (the closed worker's
+                   socket resets what the kernel queued on it in the last instant unless
+                   net.ipv4.tcp_migrate_req is 1: counted, and held against the run only then)
 
 The ledger (printed, and the last line as one JSON object): hooks answered 2xx but not in
 their host's store (lost); copies stored per event key fleet-wide, split by whether
 Redis was healthy when the later copy was stored; stored hooks not committed in Redis at
 the end (a resend of one would be stored again); hooks refused because of Redis; the
 settle accounting of every host from its segment; breaker transitions against the faults;
-latency while Redis was stalled; how long each SIGKILLed process took to be replaced.
+latency while Redis was stalled; how long each SIGKILLed process took to be replaced; the
+attempts a reload or a change of the worker count left unanswered.
 
   .venv/bin/python scripts/chaos.py --duration 60 [--hosts 2] [--rate 2000]
         [--faults all|short|NAME,NAME] [--report docs/reliability.md] [--no-plots]
@@ -52,6 +57,7 @@ import tempfile
 import threading
 import time
 from collections import Counter as Tally
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,8 +95,10 @@ FAULTS = (
     "queue-full",
     "store-full",
     "redis-full",
+    "reload",
+    "scale",
 )
-SHORT = ("worker-kill", "redis-stall", "drainer-kill")
+SHORT = ("worker-kill", "redis-stall", "reload", "drainer-kill")
 
 
 @dataclass
@@ -126,9 +134,11 @@ def schedule(names: list[str], duration: float, hosts: int) -> list[Fault]:
         "store-full": 0.70,
         "queue-full": 0.80,
         "redis-full": 0.90,
+        "reload": 0.31,
+        "scale": 0.51,
     }
     if set(names) <= set(SHORT):
-        slots.update({"worker-kill": 0.15, "redis-stall": 0.35, "drainer-kill": 0.75})
+        slots.update({"worker-kill": 0.15, "redis-stall": 0.25, "reload": 0.6, "drainer-kill": 0.8})
     small = hosts - 1  # the host with the small queue and the small disk
     # the reboot on a host that no worker kill leaves owing a crash recovery
     host_of = {
@@ -237,6 +247,21 @@ def _replaced(host: Host, role: str, before: list[int], within_s: float = 20.0) 
     return None
 
 
+def _workers_became(
+    host: Host, done: Callable[[list[int]], bool], within_s: float = 20.0
+) -> float | None:
+    """Seconds until ``done`` holds of ``host``'s workers and each of them serves."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < within_s:
+        now = host.service.pids("worker")
+        if done(now):
+            log = host.service.log()
+            if all(f"worker {pid} serving" in log for pid in now):
+                return time.monotonic() - t0
+        time.sleep(0.01)
+    return None
+
+
 def _fallbacks(hosts: list[Host]) -> int:
     """Hooks every host has answered node-local so far (both kinds: rate limit, dedupe)."""
     n = 0
@@ -292,6 +317,20 @@ def inject(f: Fault, hosts: list[Host], redis: RedisServer, load: Load, rng: ran
         for pid in drainers:
             os.kill(pid, signal.SIGCONT)
         f.note = f"drainer SIGSTOPped {STALL_S:g} s, queue of {SMALL_QUEUE}"
+    elif f.name == "reload":
+        workers = host.service.pids("worker")
+        host.service.send(signal.SIGHUP)
+        f.recovered_s = _workers_became(
+            host, lambda now: len(now) == len(workers) and not set(now) & set(workers)
+        )
+        f.note = f"host {f.host}: {len(workers)} workers replaced"
+    elif f.name == "scale":
+        workers = host.service.pids("worker")
+        host.service.send(signal.SIGTTIN)
+        _workers_became(host, lambda now: len(now) > len(workers))
+        host.service.send(signal.SIGTTOU)
+        f.recovered_s = _workers_became(host, lambda now: len(now) == len(workers))
+        f.note = f"host {f.host}: one worker added, then one removed"
     elif f.name == "redis-restart":
         redis.kill()
         time.sleep(0.5)
@@ -560,6 +599,24 @@ def ledger(
                 }
             )
     fig["kills"] = kills
+    migrate = Path("/proc/sys/net/ipv4/tcp_migrate_req")
+    fig["tcp_migrate_req"] = migrate.read_text().strip() == "1" if migrate.exists() else False
+    changes: list[dict[str, Any]] = []
+    for f in faults:
+        if f.name in ("reload", "scale"):
+            window = [a for a in attempts if f.start_s <= a.sent_s <= f.end_s + 1.0]
+            changes.append(
+                {
+                    "fault": f.name,
+                    "host": f.host,
+                    "done_s": None if f.recovered_s is None else round(f.recovered_s, 3),
+                    "attempts": len(window),
+                    "5xx": sum(1 for a in window if a.status >= 500),
+                    "no_answer": sum(1 for a in window if a.status == 0),
+                    "no_answer_errors": dict(Tally(a.error for a in window if a.status == 0)),
+                }
+            )
+    fig["worker_changes"] = changes
     fig["settle"] = [settle_ledger(s) for s in finals]
     fig["faults"] = [
         {
@@ -597,6 +654,11 @@ def ledger(
                 f"host-reboot: host {f.host} promoted its whole window again",
             )
     led.check(fig["stall_p99_ms"] <= TIMEOUT_MS + 5, f"p99 while stalled over {TIMEOUT_MS + 5} ms")
+    for c in changes:
+        led.check(c["done_s"] is not None, f"{c['fault']}: the workers never settled")
+        led.check(c["5xx"] == 0, f"{c['fault']}: {c['5xx']} answered 5xx")
+        if c["fault"] == "reload" or fig["tcp_migrate_req"]:
+            led.check(c["no_answer"] == 0, f"{c['fault']}: {c['no_answer']} left unanswered")
     for k in kills:
         if k["fault"] != "supervisor-kill":
             r = k["recovered_s"]
@@ -735,7 +797,7 @@ def print_ledger(led: Ledger) -> None:
     )
     for i, s in enumerate(f["settle"]):
         print(f"  host {i} settle: {s}")
-    for k in f["kills"]:
+    for k in f["kills"] + f["worker_changes"]:
         print(f"  {k}")
     for problem in led.problems:
         print(f"  PROBLEM: {problem}")

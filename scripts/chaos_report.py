@@ -118,6 +118,11 @@ def write_report(
         f"| {k['no_answer_within_2s']} |"
         for k in f["kills"]
     )
+    changes = "\n".join(
+        f"| {c['fault']} | {c['host']} | {c['done_s']} | {c['attempts']:,} | {c['5xx']} "
+        f"| {c['no_answer']} |"
+        for c in f["worker_changes"]
+    )
     settle = "\n".join(
         f"| {i} | {s['enqueued']:,} | {s['sent']:,} | {s['expired']:,} | {s['corrupt']} "
         f"| {s['queued_at_end']} | {s['dropped_full']:,} | {s['drops_made_good']:,} "
@@ -182,6 +187,15 @@ since the drops began. A host rebooted (host-reboot) counts from its new segment
 | fault | host | replaced after (s) | 5xx within 2 s | unanswered within 2 s |
 |---|---|---|---|---|
 {kills}
+
+## Workers replaced (reload) and added then removed (scale)
+
+The attempts sent from the signal until a second after the workers settled.
+`net.ipv4.tcp_migrate_req` was {"1" if f["tcp_migrate_req"] else "0"} (see deploy.md, Reload).
+
+| fault | host | settled after (s) | attempts | 5xx | unanswered |
+|---|---|---|---|---|---|
+{changes}
 """
     path.write_text(text)
 

@@ -1,9 +1,9 @@
 """The short chaos run: two hosts on one private Redis, a provider's load with retries, a
-worker SIGKILL, a Redis SIGSTOP longer than every budget and TTL, a drainer SIGKILL -- and
-the ledger of every hook. Latency targets belong to the full run (scripts/chaos.py); here
-only what must hold on any machine: nothing lost, nothing refused because of Redis, no
-duplicate while Redis was healthy, the settle accounting exact, every killed process
-replaced."""
+worker SIGKILL, a Redis SIGSTOP longer than every budget and TTL, a reload, a drainer
+SIGKILL -- and the ledger of every hook. Latency targets belong to the full run
+(scripts/chaos.py); here only what must hold on any machine: nothing lost, nothing refused
+because of Redis, no duplicate while Redis was healthy, the settle accounting exact, every
+killed process replaced, every attempt during the reload answered."""
 
 from __future__ import annotations
 
@@ -38,5 +38,8 @@ def test_short_chaos_run_loses_nothing_and_balances() -> None:
     assert all(s["breaker_opened"] >= 1 for s in led["settle"]), report  # the stall was seen
     assert {k["fault"] for k in led["kills"]} == {"worker-kill", "drainer-kill"}, report
     assert all(k["recovered_s"] is not None and k["5xx_within_2s"] == 0 for k in led["kills"])
+    (reload,) = led["worker_changes"]
+    assert reload["done_s"] is not None, report
+    assert (reload["no_answer"], reload["5xx"]) == (0, 0), report
     assert [p for p in led["problems"] if "p99" not in p and "recovered in" not in p] == []
     print("\n".join(r.stdout.splitlines()[-12:-1]))  # the ledger, for -s

@@ -867,8 +867,8 @@ def test_hup_applies_a_new_limit_without_refusing_a_connection(
         while not stop.is_set():
             try:
                 svc.post("github", b"{}", signed(b"{}"))
-            except ConnectionRefusedError as e:
-                refused.append(str(e))
+            except OSError as e:  # refused, or reset: accepted into a lane that closed
+                refused.append(repr(e))
 
     t = threading.Thread(target=connect_all_the_time)
     t.start()
@@ -890,6 +890,22 @@ def test_hup_applies_a_new_limit_without_refusing_a_connection(
     wait_until(lambda: "rate_limits.scope" in svc.log(), what="the bad key in the log")
     assert "the running configuration keeps serving" in svc.log()
     assert svc.post("github", b"{}", signed(b"{}")).status == 201
+
+
+def test_a_reload_keeps_every_lanes_listening_socket(make: list[Service], tmp_path: Path) -> None:
+    """A lane outlives its worker: the replacement accepts on the very socket the old one
+    did, so connections queued on it when the old one exits are not reset. (When the
+    second lane was its worker's own, a reload reset about one connection in 4,000 under
+    load; the test above saw it once in a suite run.)"""
+    svc = service(make, tmp_path).start()
+    wait_until(lambda: listening_sockets(svc.port) == 2, what="both lanes listening")
+    before = sorted(r[9] for r in _listeners(svc.port))
+    workers = svc.pids("worker")
+    svc.send(signal.SIGHUP)
+    svc.wait_for("RELOADING=1")
+    wait_until(lambda: not set(workers) & set(svc.pids("worker")), what="every worker replaced")
+    wait_until(lambda: len(svc.pids("worker")) == 2, what="two workers again")
+    assert sorted(r[9] for r in _listeners(svc.port)) == before
 
 
 def test_a_node_scope_start_makes_a_small_settle_queue_and_a_reload_to_fleet_works(

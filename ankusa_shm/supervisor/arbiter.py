@@ -299,7 +299,19 @@ class Arbiter:
     # -- children ---------------------------------------------------------------------------
 
     def _spawn(self, kind: Kind, lane: int = 0) -> None:
-        assert self._seg is not None
+        assert self._seg is not None and self._listeners is not None
+        mine: list[socket.socket] = []
+        if kind is Kind.WORKER:
+            # Bound here, not in the worker, so that the lane outlives it: a worker that
+            # exits closes only its copy, and what the kernel queued on the lane waits for
+            # the next worker instead of being reset (a reload reset a few connections
+            # each time its second worker was replaced).
+            try:
+                mine = self._listeners.lane(lane, listen=False)
+            except socks.BindError as e:
+                self._back_off(kind, young=True)
+                log.error("%s; trying again in %.1f s", e, self._backoff[kind].delay)
+                return
         ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
         recover = None
         if kind is Kind.WORKER:  # taken here, in the supervisor: one worker recovers
@@ -316,14 +328,16 @@ class Arbiter:
             raise
         if pid == 0:
             os.close(ready_r)
-            self._in_child(kind, ready_w, lane, recover)
+            self._in_child(kind, ready_w, mine, recover)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.close(ready_w)
         c = Child(pid, kind, self.cfg, time.monotonic(), ready_r, lane, recovering=recover)
         self._children[pid] = c
         log.info("%s %d started", kind.value, pid)
 
-    def _in_child(self, kind: Kind, ready_w: int, lane: int, recover: int | None) -> None:
+    def _in_child(
+        self, kind: Kind, ready_w: int, mine: list[socket.socket], recover: int | None
+    ) -> None:
         """In the forked child: let go of what is the supervisor's, then run."""
         parent = os.getppid()
         os.close(self._wake_r)
@@ -333,7 +347,6 @@ class Arbiter:
                 os.close(c.ready_fd)
         seg, cfg, listeners, admin_socket = self._seg, self.cfg, self._listeners, self._admin_socket
         assert seg is not None and listeners is not None
-        mine = listeners.lane(lane, listen=False) if kind is Kind.WORKER else []
         for s in listeners.all():  # the other lanes' sockets are not this child's
             if s not in mine:
                 s.close()

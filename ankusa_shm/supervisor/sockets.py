@@ -6,12 +6,12 @@ Each worker *lane* has its own sockets, bound with ``SO_REUSEPORT`` to the same
 addresses, so the kernel spreads new connections evenly over the lanes. One socket
 shared by every worker is not even: uvloop accepts until the queue is empty, so the
 worker that wakes first takes a whole burst (measured: 86 % of wrk's 64 connections
-on one of two workers, half the throughput of an even split). A lane's sockets stay
-open in the supervisor while its worker is respawned or replaced, so connections
-queued for it wait instead of being refused -- unless its worker cannot start, when
-they are closed until one is started on it again. A lane the supervisor does not hold
-is bound by its worker, which listens on it only once it serves: a worker that fails
-to boot never held connections. Sockets from systemd are one per address and are
+on one of two workers, half the throughput of an even split). The supervisor binds
+every lane and keeps it open while its worker is respawned or replaced, so connections
+queued for it wait instead of being reset when the worker exits -- unless its worker
+cannot start, when they are closed until one is started on it again. A new lane is
+bound without listening; its worker listens on it once it serves, so a worker that
+fails to boot never held connections. Sockets from systemd are one per address and are
 shared by every lane.
 
 ``SO_REUSEPORT`` would as gladly share a port with any other process of the same user:
