@@ -182,6 +182,7 @@ def _configure_logging() -> None:
 def _serve(file: str | None) -> int:
     import setproctitle
 
+    from ankusa_shm.store.schema import StoreError
     from ankusa_shm.supervisor.arbiter import Arbiter
     from ankusa_shm.supervisor.sockets import BindError
 
@@ -193,7 +194,7 @@ def _serve(file: str | None) -> int:
     try:
         cfg = config.load(file) if file else config.defaults()
         return Arbiter(cfg, file).run()
-    except (config.ConfigError, SegmentError, BindError) as e:
+    except (config.ConfigError, SegmentError, StoreError, BindError) as e:
         print(f"ankusa-shm serve: {e}", file=sys.stderr)
         return 2
 

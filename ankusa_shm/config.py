@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import ipaddress
 import json
+import os
 import re
 import tomllib
 import types
@@ -503,6 +504,7 @@ class Config:
         """What may be shown to anyone who can read the segment: no secrets, no sources."""
         return {
             "origin": self.origin,
+            "store": os.path.realpath(self.store.path),
             "rate_limits": {"scope": self.rate_limits.scope},
             "dedupe": {"scope": self.dedupe.scope},
             "fleet": {

@@ -266,7 +266,7 @@ def test_open_for_owner_replaces_other_params(
         assert s.header().params == other
         assert s.queue_depth() == 0
         assert s.header().owner_pid == os.getpid()
-    assert "3 queued settle operations lost" in caplog.text
+    assert "its 3 queued settle operations dropped" in caplog.text
 
 
 def test_a_re_attached_segment_is_made_0600_again(
@@ -299,6 +299,77 @@ def test_open_for_owner_refuses_a_live_owner(seg: Segment) -> None:
         # Untouched: still the live owner's, queue intact.
         assert seg.header().owner_pid == pid
         assert seg.queue_depth() == 2
+
+
+def test_another_builds_segment_with_a_live_owner_is_refused_not_replaced(seg: Segment) -> None:
+    """Another layout version, still served by the build that made it: replaced, it went on
+    serving from an unlinked mapping that nobody could inspect, and lost what it queued."""
+    _push(seg, _records(2))
+    seg.view.store(L.H_VERSION, L.LAYOUT_VERSION - 1)
+    with live_pid() as pid:
+        start = pids.start_ticks(pid)
+        assert start is not None
+        seg.view.store(L.H_OWNER_START, start)
+        seg.view.store(L.H_OWNER_PID, pid)
+        with pytest.raises(SegmentInUse, match=f"layout version .* live process {pid}"):
+            Segment.open_for_owner(seg.name, SMALL)
+    seg.view.store(L.H_VERSION, L.LAYOUT_VERSION)
+    with Segment.attach(seg.name) as again:  # the same segment, its queue intact
+        assert again.header().owner_pid == pid and again.queue_depth() == 2
+
+
+def test_a_newer_builds_segment_is_refused_an_older_ones_replaced(
+    seg: Segment, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A downgrade must not drop what the newer build queued: only it can read its queue.
+    An older build's segment is replaced, and the log says what that drops."""
+    _push(seg, _records(2))
+    seg.view.store(L.H_OWNER_PID, dead_pid())
+    seg.view.store(L.H_VERSION, L.LAYOUT_VERSION + 1)
+    with pytest.raises(LayoutMismatch, match=r"a newer build made it.*remove /dev/shm/"):
+        Segment.open_for_owner(seg.name, SMALL)
+    assert seg.view.load(L.H_VERSION) == L.LAYOUT_VERSION + 1  # still the newer build's
+    seg.view.store(L.H_VERSION, L.LAYOUT_VERSION - 1)
+    with caplog.at_level(logging.WARNING, logger="ankusa_shm.segment"):
+        fresh = Segment.open_for_owner(seg.name, SMALL)
+    with fresh:
+        assert fresh.header().version == L.LAYOUT_VERSION and fresh.queue_depth() == 0
+    assert "anything queued in it dropped" in caplog.text
+
+
+def test_a_directory_at_the_name_is_a_clear_refusal(seg_name: str) -> None:
+    path = Path(f"/dev/shm/{seg_name}")
+    path.mkdir()
+    try:
+        with pytest.raises(ForeignSegment, match=r"cannot remove .*remove it by hand"):
+            Segment.open_for_owner(seg_name, SMALL)
+        assert path.is_dir()
+    finally:
+        path.rmdir()
+
+
+def _open_own_segment_of_mode_0400(_: int, name: str) -> str:
+    """As a user who is not root (root may open any mode): the service's own segment,
+    made unreadable to it by hand."""
+    if os.getuid() == 0:
+        os.setgid(65534)
+        os.setuid(65534)
+    Segment.create(name, SMALL).close()
+    os.chmod(f"/dev/shm/{name}", 0o400)
+    try:
+        Segment.open_for_owner(name, SMALL).close()
+        return "opened"
+    except SegmentDenied as e:
+        return str(e)
+    finally:
+        segmod.unlink(name)
+
+
+def test_a_segment_of_ours_we_may_not_write_says_how_to_mend_it(seg_name: str) -> None:
+    if os.geteuid() != 0:
+        cannot_run("only root can run a child as another user")
+    (said,) = run_children(1, _open_own_segment_of_mode_0400, seg_name)
+    assert f"(mode 0400): chmod 600 /dev/shm/{seg_name}" in said, said
 
 
 def _own_push_and_exit(name: str) -> int:

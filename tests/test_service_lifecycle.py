@@ -26,6 +26,7 @@ import pytest
 import redis
 from conftest import cannot_run
 from load_client import GITHUB_SOURCE, SECRET, Load, signed
+from proc_helpers import dead_pid
 from redis_server import RedisServer
 from service import Service
 
@@ -37,7 +38,7 @@ from ankusa_shm.shm import segment as segmod
 from ankusa_shm.shm.counters import Counter, totals
 from ankusa_shm.shm.procs import NoFreeSlot, Role
 from ankusa_shm.shm.segment import Segment
-from ankusa_shm.shm.settle_queue import SettleQueue
+from ankusa_shm.shm.settle_queue import Op, Record, SettleQueue
 from ankusa_shm.store import readers, schema, settled
 
 NODE = "[rate_limits]\ndefault = { rate = 100000, burst = 100000 }\n" + GITHUB_SOURCE
@@ -931,6 +932,73 @@ def test_a_node_scope_start_makes_a_small_settle_queue_and_a_reload_to_fleet_wor
     assert svc.stop() == 0
 
 
+def _left_by_a_dead_service(name: str, store: str, queued: int, version: int) -> None:
+    """The segment a stopped service of ``store`` left, with ``queued`` promotes in it,
+    of layout ``version``, in the shape a node-scope start here would make."""
+    with Segment.create(name, segmod.make_params(config.NODE_SETTLE_CAPACITY)) as seg:
+        seg.write_config({"store": store})
+        q = SettleQueue(seg.view, seg.buf, seg.layout)
+        for i in range(queued):
+            key = f"ankusa:{{acme}}:dd:github:left-{i}".encode()
+            r = Record(Op.PROMOTE, key, bytes(16), f"hook-{i}".encode(), 1000, 2000, 3000)
+            assert q.push(r).value == "ok"
+        seg.view.store(L.H_OWNER_PID, dead_pid())
+        seg.view.store(L.H_VERSION, version)
+
+
+def _refused(svc: Service) -> str:
+    svc.start(ready=False)
+    assert svc.proc is not None and svc.proc.wait(20) == 2, svc.log()
+    return svc.log()
+
+
+def test_a_segment_another_stores_service_left_is_not_taken(
+    make: list[Service], tmp_path: Path
+) -> None:
+    """Two services run one after the other on one segment name: what the first left
+    queued is for its store's hooks. Taken by the second, its promotes went to the second's
+    Redis, which then answered 'duplicate' with the first's hook ids for hooks the second
+    never stored."""
+    svc = service(make, tmp_path)
+    elsewhere = str(tmp_path / "elsewhere" / "hooks.db")
+    _left_by_a_dead_service(svc.segment, elsewhere, 3, L.LAYOUT_VERSION)
+    said = _refused(svc)
+    assert f"holds 3 settle operations queued by the service of the store {elsewhere}" in said
+    with Segment.attach(svc.segment, readonly=True) as seg:
+        assert seg.queue_depth() == 3 and seg.read_config()["store"] == elsewhere
+
+    segmod.unlink(svc.segment)  # nothing queued: made anew, not refused
+    _left_by_a_dead_service(svc.segment, elsewhere, 0, L.LAYOUT_VERSION)
+    svc.start()
+    assert f"it served the store {elsewhere}, not {svc.store_path}" in svc.log()
+    with Segment.attach(svc.segment, readonly=True) as seg:
+        assert seg.read_config()["store"] == str(svc.store_path)
+    assert svc.post("github", b"{}", signed(b"{}")).status == 201
+
+
+def test_a_store_a_newer_build_wrote_stops_the_start_before_the_segment_is_touched(
+    make: list[Service], tmp_path: Path
+) -> None:
+    """A downgrade: the newer build's store and its segment, with promotes queued. The
+    workers refused the store only once the supervisor had replaced the segment (exit 1,
+    the queue gone); now the start stops first, exit 2."""
+    svc = service(make, tmp_path)
+    with sqlite3.connect(svc.store_path) as conn:
+        conn.execute(f"PRAGMA application_id = {schema.APPLICATION_ID}")
+        conn.execute(f"PRAGMA user_version = {schema.VERSION + 1}")
+    conn.close()
+    _left_by_a_dead_service(svc.segment, str(svc.store_path), 3, L.LAYOUT_VERSION + 1)
+    said = _refused(svc)
+    assert f"store version {schema.VERSION + 1}, written by a newer build" in said
+    with open(f"/dev/shm/{svc.segment}", "r+b") as f:  # still the newer build's
+        f.seek(L.H_VERSION)
+        assert int.from_bytes(f.read(8), "little") == L.LAYOUT_VERSION + 1
+        f.seek(L.H_VERSION)
+        f.write(L.LAYOUT_VERSION.to_bytes(8, "little"))
+    with Segment.attach(svc.segment, readonly=True) as seg:  # its queue whole
+        assert seg.queue_depth() == 3
+
+
 def _listeners(port: int) -> list[list[str]]:
     """The LISTEN sockets on ``port``, as ``/proc/net/tcp`` rows."""
     rows = [r.split() for r in Path("/proc/net/tcp").read_text().splitlines()[1:]]
@@ -1307,6 +1375,7 @@ def test_a_burst_of_hups_boots_no_more_workers_than_the_count(
 
 def test_ttin_is_refused_when_no_process_slot_is_free(make: list[Service], tmp_path: Path) -> None:
     svc = service(make, tmp_path).start()
+    svc.one("admin")  # READY=1 does not wait for it: a slot it has yet to claim is not free
     with Segment.attach(svc.segment) as seg:
         taken = []  # every free slot, held by this live process
         try:

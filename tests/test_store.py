@@ -626,6 +626,29 @@ def test_foreign_or_newer_file_is_refused(tmp_path: Path) -> None:
 
     assert "not an ankusa-shm hook store" in asyncio.run(body(foreign))
     assert f"store version {schema.VERSION + 1}" in asyncio.run(body(newer))
+    # and the supervisor's check, made before it touches the segment, says the same
+    for path, says in ((foreign, "not an ankusa-shm"), (newer, "written by a newer build")):
+        with pytest.raises(StoreError, match=says):
+            schema.check_ours(path)
+    current = tmp_path / "current.db"
+    schema.open_writer(current, "fsync", 1000).close()
+    for fine in (current, tmp_path / "none-yet.db", tmp_path):
+        schema.check_ours(fine)
+
+
+def test_a_lock_file_that_cannot_be_opened_is_the_one_named(tmp_path: Path) -> None:
+    """The database may be fine and its lock file the one to mend (left by root, say)."""
+    cfg = store_cfg(tmp_path)
+    Path(schema.lock_path(cfg.path)).mkdir(parents=True)
+
+    async def body() -> str:
+        w = Writer(cfg)
+        with pytest.raises(StoreError) as e:
+            w.start(asyncio.get_running_loop())
+        await w.close()
+        return str(e.value)
+
+    assert asyncio.run(body()) == f"{cfg.path}: cannot open {cfg.path}.lock: Is a directory"
 
 
 def test_write_failure_answers_not_stored_then_recovers(tmp_path: Path) -> None:

@@ -44,7 +44,13 @@ class ForeignSegment(SegmentError):
 
 
 class LayoutMismatch(SegmentError):
-    """An ankusa-shm segment of another layout version or other sizes."""
+    """An ankusa-shm segment of another layout version or other sizes. The header's first
+    words (magic, version, owner) sit where they did in every layout, so who made it and
+    whether its owner lives can be told even so."""
+
+    def __init__(self, message: str, version: int, owner_pid: int, owner_start: int) -> None:
+        super().__init__(message)
+        self.version, self.owner_pid, self.owner_start = version, owner_pid, owner_start
 
 
 class CorruptSegment(SegmentError):
@@ -201,12 +207,31 @@ class Segment:
             seg = cls.attach(path)
         except SegmentMissing:
             return cls.create(path, params)
-        except SegmentDenied:
-            raise  # someone else's: never ours to replace
+        except SegmentDenied as e:  # someone else's: never ours to replace
+            if st is None or not stat.S_ISREG(st.st_mode):
+                raise
+            raise SegmentDenied(
+                f"{e} (mode {st.st_mode & 0o777:04o}): chmod 600 {_SHM_DIR}{path}, "
+                "or choose another server.segment"
+            ) from None
+        except LayoutMismatch as e:
+            if e.owner_pid != os.getpid() and pid_alive(e.owner_pid, e.owner_start):
+                raise SegmentInUse(
+                    f"{e}, and is owned by live process {e.owner_pid} (another build of "
+                    "ankusa-shm): stop it first, or choose another server.segment"
+                ) from None
+            if e.version > L.LAYOUT_VERSION:  # a downgrade: what it queued is that build's
+                raise LayoutMismatch(
+                    f"{e}: a newer build made it, and may have left settle operations in it "
+                    f"that only it can send. Start that build, or remove {_SHM_DIR}{path} "
+                    "to drop them",
+                    e.version,
+                    e.owner_pid,
+                    e.owner_start,
+                ) from None
+            return replace(path, params, str(e))
         except SegmentError as e:
-            log.warning("replacing segment %s: %s; anything queued in it is lost", path, e)
-            unlink(path)
-            return cls.create(path, params)
+            return replace(path, params, str(e))
         hdr = seg.header()
         # The owner's pid may since have gone to another process: judge it by its start time.
         if hdr.owner_pid != os.getpid() and pid_alive(hdr.owner_pid, hdr.owner_start):
@@ -215,15 +240,7 @@ class Segment:
         if hdr.params != params:
             lost = seg.queue_depth()
             seg.close()
-            log.warning(
-                "replacing segment %s: built with %s, now %s; %d queued settle operations lost",
-                path,
-                hdr.params,
-                params,
-                lost,
-            )
-            unlink(path)
-            return cls.create(path, params)
+            return replace(path, params, f"built with {hdr.params}, now {params}", lost)
         queue = SettleQueue(seg.view, seg.buf, seg.layout)
         damage = queue.check()
         if damage is not None:
@@ -335,6 +352,27 @@ _BUILD_PARAMS = {
 }
 
 
+def replace(path: str, params: L.Params, why: str, queued: int | None = None) -> Segment:
+    """A new segment in place of one that cannot be used. Whatever it held queued is
+    dropped here; a fleet-scope drainer promotes again, from the store, what was stored
+    since the last stop that left every hook settled."""
+    try:
+        unlink(path)
+    except OSError as e:  # a directory at the name
+        raise ForeignSegment(
+            f"{why}; cannot remove {_SHM_DIR}{path} ({e.strerror}): remove it by hand, "
+            "or choose another server.segment"
+        ) from None
+    log.warning(
+        "replacing segment %s: %s; %s dropped (a fleet-scope drainer promotes again, from "
+        "the store, what was stored since the last stop that left every hook settled)",
+        path,
+        why,
+        "anything queued in it" if queued is None else f"its {queued} queued settle operations",
+    )
+    return Segment.create(path, params)
+
+
 def _make_private(path: str) -> None:
     """0600 again, for a segment re-attached with a wider mode (made by an older build, or
     changed by hand): what it holds is the service's alone."""
@@ -358,10 +396,13 @@ def _validate(path: str, mm: mmap.mmap, size: int) -> L.Layout:
         if v.load(L.H_MAGIC) != L.MAGIC:
             raise ForeignSegment(f"segment {path} is not an ankusa-shm segment (bad magic)")
         version = v.load(L.H_VERSION)
+        owner = (v.load(L.H_OWNER_PID), v.load(L.H_OWNER_START))
         if version != L.LAYOUT_VERSION:
             raise LayoutMismatch(
                 f"segment {path} has layout version {version}; "
-                f"this build reads version {L.LAYOUT_VERSION}"
+                f"this build reads version {L.LAYOUT_VERSION}",
+                version,
+                *owner,
             )
         deadline = time.monotonic() + _READY_WAIT_S
         while v.load(L.H_READY) != 1:
@@ -377,7 +418,9 @@ def _validate(path: str, mm: mmap.mmap, size: int) -> L.Layout:
         for field, what in _BUILD_PARAMS.items():
             theirs, mine = getattr(lay.params, field), getattr(ours, field)
             if theirs != mine:
-                raise LayoutMismatch(f"segment {path} has {theirs} {what}; this build has {mine}")
+                raise LayoutMismatch(
+                    f"segment {path} has {theirs} {what}; this build has {mine}", version, *owner
+                )
         if v.load(L.H_TOTAL_SIZE) != lay.total_size or size < lay.total_size:
             raise CorruptSegment(
                 f"segment {path} is {size} bytes; its header describes {lay.total_size}"

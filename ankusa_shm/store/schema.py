@@ -100,6 +100,13 @@ class StoreError(Exception):
     """The store cannot be used at all; one line that names the file."""
 
 
+def cannot_open(path: str | Path, e: OSError) -> StoreError:
+    """The store's path, and the file the error was about if another (its directory,
+    its lock file): the one to chown is not always the database."""
+    other = e.filename is not None and os.fspath(e.filename) != os.fspath(path)
+    return StoreError(f"{path}: cannot open{f' {e.filename}' if other else ''}: {e.strerror}")
+
+
 FileIds = tuple[tuple[int, int], ...]
 
 
@@ -190,11 +197,19 @@ def open_writer(
                 f"{path}-wal and {path}-shm for a new store"
             )
         _create_private(path)
+        for name in (str(path), f"{path}-wal", f"{path}-shm"):
+            # SQLite opens a file it may not write read-only, without a word: every commit
+            # would then fail, and every hook be answered 503, until someone looked
+            if os.path.exists(name) and not os.access(name, os.R_OK | os.W_OK):
+                raise StoreError(
+                    f"{name}: cannot open: not writable by this user (uid {os.geteuid()}): "
+                    "check its owner, its mode and attributes, and its file system"
+                )
         conn = connect(
             path, durability, busy_timeout_ms, autocheckpoint=False, any_thread=any_thread
         )
     except OSError as e:
-        raise StoreError(f"{path}: cannot open: {e.strerror}") from None
+        raise cannot_open(path, e) from None
     except sqlite3.Error as e:
         raise StoreError(f"{path}: cannot open: {e}") from None
     try:
@@ -240,6 +255,44 @@ def connect_ro(path: str | Path, *, any_thread: bool = False) -> sqlite3.Connect
     return conn
 
 
+def check_ours(path: str | Path) -> None:
+    """Refuse a store this build would refuse -- someone else's database, or one a newer
+    build wrote -- before the supervisor touches anything: its workers would find out only
+    once it had replaced a segment the newer build left. A file that cannot be read is left
+    for the workers to name."""
+    if not os.path.isfile(path):
+        return
+    try:
+        conn = connect_ro(path)
+        try:
+            _refuse(conn, path)
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return
+
+
+def _refuse(conn: sqlite3.Connection, path: str | Path) -> int:
+    """The file's schema version, 0 for a new file; a ``StoreError`` for one that is not
+    ours or that a newer build wrote."""
+    app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+    version: int = conn.execute("PRAGMA user_version").fetchone()[0]
+    tables = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
+    if app_id == 0 and version == 0 and tables == 0:
+        return 0
+    if app_id != APPLICATION_ID:
+        raise StoreError(f"{path}: not an ankusa-shm hook store")
+    if version > VERSION:
+        raise StoreError(
+            f"{path}: store version {version}, written by a newer build of ankusa-shm; this "
+            f"build reads up to {VERSION}. Run that build, or a copy of the store made before "
+            "the upgrade"
+        )
+    if version < 1:
+        raise StoreError(f"{path}: store version {version}, this build reads {VERSION}")
+    return version
+
+
 def ensure_schema(conn: sqlite3.Connection, path: str | Path) -> None:
     """Create the tables in a new file, bring an older file of ours up to this version in
     place, accept this version; refuse someone else's file or a newer one.
@@ -249,15 +302,9 @@ def ensure_schema(conn: sqlite3.Connection, path: str | Path) -> None:
     """
     conn.execute("BEGIN IMMEDIATE")
     try:
-        app_id = conn.execute("PRAGMA application_id").fetchone()[0]
-        version = conn.execute("PRAGMA user_version").fetchone()[0]
-        tables = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
-        if app_id == 0 and version == 0 and tables == 0:
+        version = _refuse(conn, path)
+        if version == 0:
             conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-        elif app_id != APPLICATION_ID:
-            raise StoreError(f"{path}: not an ankusa-shm hook store")
-        elif not 1 <= version <= VERSION:
-            raise StoreError(f"{path}: store version {version}, this build reads {VERSION}")
         if version < VERSION:
             for step in _STEPS[version:]:
                 for statement in filter(str.strip, step.split(";")):

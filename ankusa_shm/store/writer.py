@@ -372,7 +372,7 @@ class Writer:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._lock = WriteLock(schema.lock_path(self.path), self._turns)
         except OSError as e:
-            raise StoreError(f"{self.path}: cannot open: {e.strerror}") from None
+            raise schema.cannot_open(self.path, e) from None
         if not self._lock.wait_within(self.cfg.lock_timeout_ms / 1000):
             self._lock.close()
             raise StoreError(

@@ -52,6 +52,7 @@ from ankusa_shm.shm import procs, requests, segment
 from ankusa_shm.shm.procs import Role
 from ankusa_shm.shm.segment import Segment, make_params
 from ankusa_shm.shm.settle_queue import SettleQueue
+from ankusa_shm.store import schema
 from ankusa_shm.supervisor import recovery
 from ankusa_shm.supervisor import sockets as socks
 from ankusa_shm.supervisor.notify import Notifier
@@ -163,7 +164,9 @@ class Arbiter:
             self._listeners = socks.Listeners(cfg.server.listen, cfg.server.backlog)
             if cfg.server.admin_listen:
                 (self._admin_socket,) = socks.bind([cfg.server.admin_listen], config.ADMIN_BACKLOG)
-            self._seg = Segment.open_for_owner(cfg.server.segment, make_params(cfg.settle_capacity))
+            schema.check_ours(cfg.store.path)  # a newer build's: before its segment is touched
+            params = make_params(cfg.settle_capacity)
+            self._seg = _of_this_store(Segment.open_for_owner(cfg.server.segment, params), cfg)
             self._queue = SettleQueue(self._seg.view, self._seg.buf, self._seg.layout)
             if self._seg.header().created_ns < began_ns:  # re-attached: its owner may have died
                 if recovery.stopped_settled(cfg, self._seg):
@@ -809,6 +812,28 @@ def _keep_restart_only(old: Config, new: Config) -> Config:
         if before != after:
             log.warning("HUP: %s changed; it takes effect at the next restart", name)
     return dataclasses.replace(new, server=server, fleet=fleet, store=store)
+
+
+def _of_this_store(seg: Segment, cfg: Config) -> Segment:
+    """``seg``, if it served this config's store, or was just made. What another store's
+    service left queued in it is for that store's hooks: refused while it holds any, and
+    made anew if it holds none (so that neither its queue nor its marks of what was settled
+    are taken for this store's)."""
+    held = seg.read_config().get("store")
+    mine = cfg.public()["store"]
+    if not isinstance(held, str) or held == mine:
+        return seg
+    depth = seg.queue_depth()
+    name, params = seg.name, seg.layout.params
+    seg.close()
+    if depth:
+        raise segment.SegmentError(
+            f"segment {name} holds {depth} settle operations queued by the service of the "
+            f"store {held}, not this config's {mine}: start that service to send them, or "
+            f"choose another server.segment (if the store was moved, remove /dev/shm{name}: "
+            "a start on a new segment promotes them again from the store)"
+        )
+    return segment.replace(name, params, f"it served the store {held}, not {mine}", 0)
 
 
 def _kill(pid: int, sig: int) -> None:
