@@ -347,6 +347,76 @@ def test_term_answers_a_request_begun_and_a_connection_just_taken(
     assert svc.proc is not None and svc.proc.wait(30) == 0
 
 
+def test_term_answers_every_request_a_kept_alive_client_pipelined(
+    make: list[Service], tmp_path: Path
+) -> None:
+    """A client that pipelines on a kept-alive connection as the stop begins: every request
+    it sent is answered and stored, and only the last answer says connection: close.
+    (The first answer closed it, and the 7 after were dropped unanswered.)"""
+    svc = service(make, tmp_path, server={"workers": 1}).start()
+    sock = socket.create_connection(("127.0.0.1", svc.port), timeout=30)
+    first = b'{"n": 0}'
+    sock.sendall(_request_head(first) + first)
+    assert sock.recv(65536).startswith(b"HTTP/1.1 201 ")
+    svc.send(signal.SIGTERM)
+    wait_until(lambda: listening_sockets(svc.port) == 0, what="the worker draining")
+    bodies = [json.dumps({"n": i}).encode() for i in range(1, 9)]
+    sock.sendall(b"".join(_request_head(b) + b for b in bodies))
+    with sock:
+        answer = _answer(sock)
+    assert answer.count(b"HTTP/1.1 201 ") == 8, answer
+    assert answer.lower().count(b"connection: close") == 1
+    assert answer.lower().rindex(b"connection: close") > answer.rindex(b"HTTP/1.1 201 ")
+    assert svc.proc is not None and svc.proc.wait(30) == 0
+    assert readers.count(svc.store_path) == 9
+
+
+def test_a_fast_stop_under_load_answers_no_500(
+    make: list[Service], tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """SIGINT: requests still read after the fleet's Redis connection was closed met an
+    assertion and were answered 500, with a traceback in the log. What a fast stop cuts
+    short is dropped or answered 503, for the client to send again."""
+    svc = service(make, tmp_path, fleet_config(redis_server, timeout_ms=2000)).start()
+    with Load(svc.port, threads=16) as load:
+        wait_until(lambda: load.tally.count(201) >= 200, what="the load running")
+        svc.send(signal.SIGINT)
+        assert svc.proc is not None and svc.proc.wait(30) == 0
+    tally = load.stop()
+    assert tally.count(500) == 0, tally.statuses
+    assert "Traceback" not in svc.log()
+    stored = {h.id for h in readers.page(svc.store_path, 0, 1_000_000)}
+    assert set(tally.accepted.values()) <= stored
+
+
+def test_term_answers_the_connections_queued_for_a_worker(
+    make: list[Service], tmp_path: Path
+) -> None:
+    """Connections the kernel queued before the stop, not yet accepted: the worker takes
+    them before it closes its socket, whose last close would reset them, and answers."""
+    svc = service(make, tmp_path, server={"workers": 1}).start()
+    (worker,) = svc.pids("worker")
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        body = b'{"queued": true}'
+        clients = [socket.create_connection(("127.0.0.1", svc.port), timeout=30) for _ in range(20)]
+        for c in clients:
+            c.sendall(_request_head(body) + body)
+        wait_until(lambda: accept_queue(svc.port) == 20, what="20 connections queued")
+        svc.send(signal.SIGTERM)
+        wait_until(lambda: "stopping (graceful)" in svc.log(), what="the stop begun")
+        time.sleep(0.2)  # the worker's TERM is pending, beside its readable socket
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    answers = []
+    for c in clients:
+        with c:
+            answers.append(_answer(c)[:13])
+    assert answers == [b"HTTP/1.1 201 "] * 20
+    assert svc.proc is not None and svc.proc.wait(30) == 0
+    assert readers.count(svc.store_path) == 20
+
+
 def test_int_after_term_cuts_a_graceful_stop_short(make: list[Service], tmp_path: Path) -> None:
     """SIGINT while the workers drain a stuck client: they stop now, instead of draining
     on until the supervisor kills them."""
