@@ -375,6 +375,12 @@ class Hmac:
     header: str = required("Header carrying the signature.", _header_name)
     secret_env: str = setting("", "Environment variable holding the secret.")
     secret_file: str = setting("", "File holding the secret.")
+    previous_secret_env: str = setting(
+        "", "Environment variable holding the secret being replaced, accepted too meanwhile."
+    )
+    previous_secret_file: str = setting(
+        "", "File holding the secret being replaced, accepted too meanwhile."
+    )
     prefix: str = setting("", "Text before the digest, e.g. 'sha256='.")
     algorithm: Literal["sha256", "sha1", "sha512"] = setting("sha256", "Digest.")
     encoding: Literal["hex", "base64"] = setting(
@@ -386,6 +392,12 @@ class Hmac:
 class StandardWebhooks:
     secret_env: str = setting("", "Environment variable holding the whsec_ secret.")
     secret_file: str = setting("", "File holding the whsec_ secret.")
+    previous_secret_env: str = setting(
+        "", "Environment variable holding the secret being replaced, accepted too meanwhile."
+    )
+    previous_secret_file: str = setting(
+        "", "File holding the secret being replaced, accepted too meanwhile."
+    )
     tolerance_s: int = setting(
         300, "Largest distance of the signed timestamp from now.", between(1, 86_400)
     )
@@ -400,6 +412,12 @@ class Svix(StandardWebhooks):
 class Stripe:
     secret_env: str = setting("", "Environment variable holding the endpoint's secret.")
     secret_file: str = setting("", "File holding the endpoint's secret.")
+    previous_secret_env: str = setting(
+        "", "Environment variable holding the secret being replaced, accepted too meanwhile."
+    )
+    previous_secret_file: str = setting(
+        "", "File holding the secret being replaced, accepted too meanwhile."
+    )
     tolerance_s: int = setting(
         300, "Largest distance of the signed timestamp from now.", between(1, 86_400)
     )
@@ -645,6 +663,11 @@ def _cross_checks(cfg: Config, origin: str) -> None:
                 raise ConfigError(
                     f"{origin}: sources[{i}].verify.{name}: "
                     "give exactly one of secret_env, secret_file"
+                )
+            if scheme.previous_secret_env and scheme.previous_secret_file:
+                raise ConfigError(
+                    f"{origin}: sources[{i}].verify.{name}: "
+                    "give at most one of previous_secret_env, previous_secret_file"
                 )
         d = src.dedupe
         if d is not None and sum(map(bool, (d.preset, d.header, d.json_path))) != 1:

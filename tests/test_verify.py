@@ -415,3 +415,56 @@ def test_config_needs_exactly_one_secret(scheme: str, secrets: dict[str, str]) -
 )
 def test_config_errors_name_the_key(verify: dict[str, Any], key: str) -> None:
     assert f"test.toml: sources[0].{key}" in config_error(verify)
+
+
+# -- rotating a secret -------------------------------------------------------------------------
+
+OLD_SW = "whsec_" + base64.b64encode(b"the-old-key-0123456789").decode()
+
+
+@pytest.mark.parametrize("scheme", ["hmac", "standard_webhooks", "svix", "stripe"])
+def test_during_a_rotation_either_secret_passes_and_no_other(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, scheme: str
+) -> None:
+    """GitHub and Shopify sign with one secret at a time and switch when they are told:
+    a hook signed either side of that moment passes while both are configured."""
+    new, old = (SW_SECRET, OLD_SW) if scheme in ("standard_webhooks", "svix") else ("new", "old")
+    monkeypatch.setenv("HOOK_SECRET", new)
+    (tmp_path / "old").write_text(old)
+    spec: dict[str, str] = {"header": "x-sig"} if scheme == "hmac" else {}
+    v = verifier(
+        {
+            scheme: {
+                **spec,
+                "secret_env": "HOOK_SECRET",
+                "previous_secret_file": str(tmp_path / "old"),
+            }
+        }
+    )
+
+    def signed_with(secret: str) -> dict[str, str]:
+        if scheme == "hmac":
+            return {"x-sig": hex_sig(BODY, secret)}
+        if scheme == "stripe":
+            return {"stripe-signature": f"t={NOW},v1={stripe_sig(NOW, BODY, secret)}"}
+        key = base64.b64decode(secret.removeprefix("whsec_"))
+        prefix = "webhook-" if scheme == "standard_webhooks" else "svix-"
+        return sw_headers(sw_sig(key, SW_ID, NOW, BODY), prefix, ts=str(NOW))
+
+    other = "whsec_" + base64.b64encode(b"neither-of-them").decode() if "whsec" in new else "x"
+    assert v.verify(signed_with(new), BODY, NOW)
+    assert v.verify(signed_with(old), BODY, NOW)
+    assert not v.verify(signed_with(other), BODY, NOW)
+
+
+def test_a_previous_secret_that_cannot_be_read_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(MissingSecret, match=r"source src: .*OLD_HOOK_SECRET"):
+        verifier_for(source({"hmac": {**GITHUB, "previous_secret_env": "OLD_HOOK_SECRET"}}))
+    monkeypatch.setenv("OLD_HOOK_SECRET", "")
+    with pytest.raises(InvalidSecret, match="OLD_HOOK_SECRET is empty"):
+        verifier_for(source({"hmac": {**GITHUB, "previous_secret_env": "OLD_HOOK_SECRET"}}))
+    both = {"previous_secret_env": "A", "previous_secret_file": "B"}
+    assert config_error({"hmac": {**GITHUB, **both}}) == (
+        "test.toml: sources[0].verify.hmac: "
+        "give at most one of previous_secret_env, previous_secret_file"
+    )

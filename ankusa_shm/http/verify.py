@@ -5,6 +5,12 @@ read then, decoded into the HMAC key once, and never shown -- every verifier's `
 hides it. ``verify`` runs once per request, so it only splits headers, decodes the
 signature it was given and makes one HMAC; anything malformed is simply ``False``, never an
 exception, because a forged request must not reach an error path.
+
+While a secret is rotated, the one being replaced is accepted too (``previous_secret_env``
+or ``previous_secret_file``): a provider that signs with one secret at a time (GitHub,
+Shopify) switches at a moment of its own, and a hook it signed either side of that moment
+must pass. The current secret is tried first, so only a forged or stale signature pays for
+a second HMAC.
 """
 
 from __future__ import annotations
@@ -73,16 +79,15 @@ def verifier_for(source: config.Source) -> Verifier | None:
     v = source.verify
     if v.hmac is not None:
         h = v.hmac
-        return HmacVerifier(_secret_bytes(source, h), h.header, h.prefix, h.algorithm, h.encoding)
+        return HmacVerifier(_raw_keys(source, h), h.header, h.prefix, h.algorithm, h.encoding)
     if v.standard_webhooks is not None:
-        key = _whsec_key(source, v.standard_webhooks)
-        return StandardWebhooksVerifier(key, "webhook-", v.standard_webhooks.tolerance_s)
+        keys = _whsec_keys(source, v.standard_webhooks)
+        return StandardWebhooksVerifier(keys, "webhook-", v.standard_webhooks.tolerance_s)
     if v.svix is not None:
-        key = _whsec_key(source, v.svix)
-        return StandardWebhooksVerifier(key, "svix-", v.svix.tolerance_s)
+        return StandardWebhooksVerifier(_whsec_keys(source, v.svix), "svix-", v.svix.tolerance_s)
     if v.stripe is not None:
         # Stripe keys its HMAC with the secret's text itself, whsec_ prefix included.
-        return StripeVerifier(_secret_bytes(source, v.stripe), v.stripe.tolerance_s)
+        return StripeVerifier(_raw_keys(source, v.stripe), v.stripe.tolerance_s)
     return None
 
 
@@ -90,10 +95,12 @@ class HmacVerifier:
     """An HMAC of the body in one header: ``<prefix><digest>``, hex (GitHub) or base64
     (Shopify)."""
 
-    __slots__ = ("_algorithm", "_base64", "_header", "_hmac", "_prefix")
+    __slots__ = ("_algorithm", "_base64", "_header", "_hmacs", "_prefix")
 
-    def __init__(self, key: bytes, header: str, prefix: str, digest: str, encoding: str) -> None:
-        self._hmac = Keyed(key, digest)
+    def __init__(
+        self, keys: list[bytes], header: str, prefix: str, digest: str, encoding: str
+    ) -> None:
+        self._hmacs = [Keyed(key, digest) for key in keys]
         self._header = header.lower()
         self._prefix = prefix
         self._algorithm = digest
@@ -107,7 +114,7 @@ class HmacVerifier:
         given = _unbase64(text) if self._base64 else _unhex(text)
         if given is None:
             return False
-        return hmac.compare_digest(self._hmac.digest(body), given)
+        return _any_signed(self._hmacs, body, [given])
 
     def __repr__(self) -> str:
         return (
@@ -121,10 +128,10 @@ class StandardWebhooksVerifier:
     ``{id}.{timestamp}.{body}``, base64, in a space-separated list of ``v1,<sig>``
     entries so a sender can sign with an old and a new secret while rotating."""
 
-    __slots__ = ("_hmac", "_id", "_signature", "_timestamp", "_tolerance_s")
+    __slots__ = ("_hmacs", "_id", "_signature", "_timestamp", "_tolerance_s")
 
-    def __init__(self, key: bytes, header_prefix: str, tolerance_s: float) -> None:
-        self._hmac = Keyed(key, "sha256")
+    def __init__(self, keys: list[bytes], header_prefix: str, tolerance_s: float) -> None:
+        self._hmacs = [Keyed(key, "sha256") for key in keys]
         self._id = header_prefix + "id"
         self._timestamp = header_prefix + "timestamp"
         self._signature = header_prefix + "signature"
@@ -138,15 +145,12 @@ class StandardWebhooksVerifier:
             return False
         if not _fresh(ts, now_s, self._tolerance_s):
             return False
-        signed = b"%b.%b.%b" % (msg_id.encode(), ts.encode(), body)
-        expected = self._hmac.digest(signed)
+        given = []
         for entry in signatures.split(" "):
             version, _, text = entry.partition(",")
-            if version == "v1":
-                given = _unbase64(text)
-                if given is not None and hmac.compare_digest(expected, given):
-                    return True
-        return False
+            if version == "v1" and (sig := _unbase64(text)) is not None:
+                given.append(sig)
+        return _any_signed(self._hmacs, b"%b.%b.%b" % (msg_id.encode(), ts.encode(), body), given)
 
     def __repr__(self) -> str:
         return (
@@ -159,10 +163,10 @@ class StripeVerifier:
     """Stripe: ``Stripe-Signature: t=<ts>,v1=<hex>[,v1=<hex>...]``, HMAC-SHA256 hex of
     ``{t}.{body}``. Other schemes in the header (v0, ...) are ignored, as Stripe asks."""
 
-    __slots__ = ("_hmac", "_tolerance_s")
+    __slots__ = ("_hmacs", "_tolerance_s")
 
-    def __init__(self, key: bytes, tolerance_s: float) -> None:
-        self._hmac = Keyed(key, "sha256")
+    def __init__(self, keys: list[bytes], tolerance_s: float) -> None:
+        self._hmacs = [Keyed(key, "sha256") for key in keys]
         self._tolerance_s = tolerance_s
 
     def verify(self, headers: Mapping[str, str], body: bytes, now_s: float) -> bool:
@@ -173,16 +177,27 @@ class StripeVerifier:
         ts = next((item[2:] for item in items if item.startswith("t=")), None)
         if ts is None or not _fresh(ts, now_s, self._tolerance_s):
             return False
-        expected = self._hmac.digest(b"%b.%b" % (ts.encode(), body))
+        given = []
         for item in items:
-            if item.startswith("v1="):
-                given = _unhex(item[3:])
-                if given is not None and hmac.compare_digest(expected, given):
-                    return True
-        return False
+            if item.startswith("v1=") and (sig := _unhex(item[3:])) is not None:
+                given.append(sig)
+        return _any_signed(self._hmacs, b"%b.%b" % (ts.encode(), body), given)
 
     def __repr__(self) -> str:
         return f"StripeVerifier(tolerance_s={self._tolerance_s}, key=<hidden>)"
+
+
+def _any_signed(hmacs: list[Keyed], signed: bytes, given: list[bytes]) -> bool:
+    """Whether any of ``given`` is the HMAC of ``signed`` under any of the keys: a sender
+    may list several signatures (one per secret it holds), and we may hold two secrets."""
+    if not given:
+        return False
+    for keyed in hmacs:
+        expected = keyed.digest(signed)
+        for sig in given:
+            if hmac.compare_digest(expected, sig):
+                return True
+    return False
 
 
 def _fresh(ts: str, now_s: float, tolerance_s: float) -> bool:
@@ -208,35 +223,39 @@ def _unbase64(text: str) -> bytes | None:
         return None
 
 
-def _secret(source: config.Source, spec: config.SignatureScheme) -> str:
-    try:
-        secret = read_secret(spec.secret_env, spec.secret_file)
-    except MissingSecret as e:  # which source's, for the worker's boot error too
-        raise MissingSecret(f"source {source.id}: {e}") from None
-    if not secret:
-        raise InvalidSecret(f"source {source.id}: the secret from {_origin(spec)} is empty")
-    return secret
+def _secrets(source: config.Source, spec: config.SignatureScheme) -> list[tuple[str, str]]:
+    """The secret, then the one it replaces if a rotation is under way: (the secret, where
+    it came from -- its name, never its value -- for an error message)."""
+    where = [(spec.secret_env, spec.secret_file)]
+    if spec.previous_secret_env or spec.previous_secret_file:
+        where.append((spec.previous_secret_env, spec.previous_secret_file))
+    found = []
+    for env, file in where:
+        origin = f"environment variable {env}" if env else f"file {file}"
+        try:
+            secret = read_secret(env, file)
+        except MissingSecret as e:  # which source's, for the worker's boot error too
+            raise MissingSecret(f"source {source.id}: {e}") from None
+        if not secret:
+            raise InvalidSecret(f"source {source.id}: the secret from {origin} is empty")
+        found.append((secret, origin))
+    return found
 
 
-def _secret_bytes(source: config.Source, spec: config.SignatureScheme) -> bytes:
+def _raw_keys(source: config.Source, spec: config.SignatureScheme) -> list[bytes]:
     # surrogateescape: an environment variable's bytes come back as they were set.
-    return _secret(source, spec).encode("utf-8", "surrogateescape")
+    return [secret.encode("utf-8", "surrogateescape") for secret, _ in _secrets(source, spec)]
 
 
-def _whsec_key(source: config.Source, spec: config.StandardWebhooks) -> bytes:
-    """The key of a Standard Webhooks secret: the base64 after ``whsec_`` (or the whole
+def _whsec_keys(source: config.Source, spec: config.StandardWebhooks) -> list[bytes]:
+    """The keys of Standard Webhooks secrets: the base64 after ``whsec_`` (or the whole
     secret, when given without the prefix), decoded."""
-    secret = _secret(source, spec).removeprefix("whsec_")
-    key = _unbase64(secret)
-    if not key:
-        raise InvalidSecret(
-            f"source {source.id}: the secret from {_origin(spec)} is not whsec_<base64>"
-        )
-    return key
-
-
-def _origin(spec: config.SignatureScheme) -> str:
-    """Where the secret came from, for an error message: its name, never its value."""
-    if spec.secret_env:
-        return f"environment variable {spec.secret_env}"
-    return f"file {spec.secret_file}"
+    keys = []
+    for secret, origin in _secrets(source, spec):
+        key = _unbase64(secret.removeprefix("whsec_"))
+        if not key:
+            raise InvalidSecret(
+                f"source {source.id}: the secret from {origin} is not whsec_<base64>"
+            )
+        keys.append(key)
+    return keys
