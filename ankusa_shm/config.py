@@ -146,7 +146,8 @@ class Server:
     admin_token_env: str = setting("", "Environment variable holding the admin bearer token.")
     admin_token_file: str = setting("", "File holding the admin bearer token.")
     request_metrics: bool = setting(
-        True, "Count requests by source and status and keep latency histograms."
+        True,
+        "Count requests by source and status, and keep every histogram (off: they stay at 0).",
     )
     max_body_bytes: int = setting(
         1_048_576,
@@ -274,6 +275,12 @@ class RateLimits:
     def limit_for(self, tenant: str) -> Limit:
         spec = self.tenants.get(tenant)
         return (spec or self.default).limit
+
+    def changed(self, new: RateLimits, tenants: set[str]) -> list[str]:
+        """Which of ``tenants`` the move to ``new`` gives another limit: their buckets,
+        filled under the old one, must be forgotten (a bucket filled under a strict limit
+        kept a raised one refusing for up to the old burst's length)."""
+        return sorted(t for t in tenants if self.limit_for(t) != new.limit_for(t))
 
 
 @dataclass(frozen=True)

@@ -49,11 +49,15 @@ class Worker:
         sockets: list[socket.socket],
         ready: Callable[[bool], None],
         recover_since_ms: int | None = None,
+        reset_tenants: list[str] | None = None,
     ) -> None:
         """``recover_since_ms``: a worker died (or the whole host did) and may have left
-        claims unsettled; before serving, promote what was stored since then. ``ready``
-        says it serves, and whether that recovery, if any, was done whole."""
+        claims unsettled; before serving, promote what was stored since then.
+        ``reset_tenants``: a reload changed their limits; before serving, forget their
+        buckets, filled under the old ones. ``ready`` says it serves, and whether that
+        recovery, if any, was done whole."""
         self._recover_since_ms = recover_since_ms
+        self._reset_tenants = reset_tenants or []
         self._cfg = cfg
         self._seg = seg
         self._slot = slot
@@ -62,6 +66,15 @@ class Worker:
 
     def run(self) -> int:
         return uvloop.run(self._serve())
+
+    async def _forget_buckets(self, fleet: Fleet) -> None:
+        """The tenants a reload gave another limit start from a full bucket under it, as
+        after an override (one with an override kept has no other limit now)."""
+        tenants = [t for t in self._reset_tenants if not fleet.overridden(t)]
+        for tenant in tenants:
+            await fleet.reset_tenant(tenant)
+        if tenants:
+            log.info("new rate limits: the buckets of %s start full", ", ".join(tenants))
 
     async def _recover(self, fleet: Fleet, since_ms: int) -> bool:
         """Whether every hook stored since ``since_ms`` had its promote queued."""
@@ -122,6 +135,8 @@ class Worker:
         if self._recover_since_ms is not None and "dedupe" in cfg.fleet_kinds:
             recovered = await self._recover(fleet, self._recover_since_ms)
         fleet.set_overrides(overrides.read(seg.blob("overrides")))
+        if self._reset_tenants:
+            await self._forget_buckets(fleet)
         follow = loop.create_task(overrides.follow(seg.blob("overrides"), fleet.set_overrides))
         answered = observer.answered if observer else None
         server = HttpServer(path, Limits.of(cfg.server), answered, self._slot.counters)

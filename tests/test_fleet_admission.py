@@ -862,6 +862,24 @@ def test_an_admit_call_is_sent_again_only_once(redis_server: RedisServer) -> Non
         assert all(counted[c] == 1 for c in FALLBACKS)
 
 
+def test_a_hook_with_no_event_key_falls_back_on_its_rate_limit_only(
+    redis_server: RedisServer,
+) -> None:
+    """A keyless hook had no fleet dedupe to answer node-local: counted as a dedupe
+    fallback, it inflated the figure, and set the dedupe degraded flag with none done."""
+    with segments(1) as (seg,):
+        cfg = fleet_config(redis_server.url, bare(seg), timeout_ms=50, breaker_window_ms=1000)
+
+        async def keyless(w: Worker) -> list[Admitted]:
+            return [await w.admit(None) for _ in range(3)] + [await w.admit("keyed")]
+
+        with stopped(redis_server.pid):
+            (answers,) = run_workers([Job(cfg, keyless)], warm=False)
+        assert all(isinstance(a, Admit) for a in answers)
+        assert totals(seg)[Counter.FALLBACK_RATE_LIMIT] == 4
+        assert totals(seg)[Counter.FALLBACK_DEDUPE] == 1
+
+
 def test_degraded_warning_once_per_host(redis_server: RedisServer, tmp_path: Path) -> None:
     with segments(1) as (seg,):
         cfg = fleet_config(redis_server.url, bare(seg), timeout_ms=50, breaker_window_ms=1000)

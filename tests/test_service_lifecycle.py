@@ -781,6 +781,25 @@ def test_promotes_a_full_settle_queue_dropped_are_made_good(
     assert svc.stop() == 0
 
 
+def test_a_restart_after_a_killed_supervisor_lists_no_dead_processes(
+    make: list[Service], tmp_path: Path
+) -> None:
+    """Nobody reaps a killed supervisor's children: their slots were listed by inspect as
+    dead processes for good, past later restarts, unless a new child happened to take one."""
+    svc = service(make, tmp_path).start()
+    svc.send(signal.SIGTTIN)  # three workers now; two after the restart
+    wait_until(lambda: len(svc.pids("worker")) == 3, what="a third worker")
+    svc.send(signal.SIGKILL)
+    assert svc.proc is not None and svc.proc.wait(10) == -signal.SIGKILL
+    wait_until(lambda: not svc.children(), what="the children gone with their supervisor")
+    svc.start()
+    svc.one("admin")
+    with Segment.attach(svc.segment, readonly=True) as seg:
+        listed = procs.read(seg.view, seg.layout)
+    assert [p.pid for p in listed if not p.alive] == []
+    assert sorted(p.role for p in listed) == ["admin", "worker", "worker"]
+
+
 def test_a_supervisor_restarted_long_after_its_crash_still_recovers(
     make: list[Service], tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -802,6 +821,8 @@ def test_a_supervisor_restarted_long_after_its_crash_still_recovers(
     wait_until(lambda: "recovery:" in svc.log(), what="the recovery")
     found = re.search(r"recovery: (\d+) promotes queued", svc.log())
     assert found is not None and int(found.group(1)) > 0  # before: 0, the window was empty
+    # told apart from the hooks' own promotes (it was counted as settled traffic only)
+    assert counter(svc, Counter.REPROMOTED) == int(found.group(1))
     assert svc.stop() == 0
 
 
@@ -977,6 +998,31 @@ def test_a_reload_keeps_every_lanes_listening_socket(make: list[Service], tmp_pa
     wait_until(lambda: not set(workers) & set(svc.pids("worker")), what="every worker replaced")
     wait_until(lambda: len(svc.pids("worker")) == 2, what="two workers again")
     assert sorted(r[9] for r in _listeners(svc.port)) == before
+
+
+@pytest.mark.parametrize("scope", ["node", "fleet"])
+def test_a_limit_raised_by_a_reload_applies_at_once(
+    make: list[Service], tmp_path: Path, redis_server: RedisServer, scope: str
+) -> None:
+    """The bucket filled under 1 hook per 100 s kept the raised limit refusing for the
+    rest of those 100 s (429, Retry-After: 99): the reload forgets it, as an override does."""
+
+    def limits(rate: float, burst: int) -> str:
+        fleet = f'[fleet]\nredis_url = "{redis_server.url}"\ntimeout_ms = 2000\n'
+        head = f'[rate_limits]\nscope = "{scope}"\ndefault = {{ rate = {rate}, burst = {burst} }}\n'
+        return head + (fleet if scope == "fleet" else "") + GITHUB_SOURCE
+
+    svc = service(make, tmp_path, limits(0.01, 1)).start()
+    answers = [svc.post("github", b"{}", signed(b"{}")).status for _ in range(2)]
+    assert answers == [201, 429]
+    svc.rewrite(limits(1000, 1000))
+    svc.send(signal.SIGHUP)
+    wait_until(lambda: "reload complete" in svc.log(), what="the reload")
+    assert "the buckets of acme start full" in svc.log()
+    assert svc.post("github", b"{}", signed(b"{}")).status == 201
+    svc.send(signal.SIGHUP)  # nothing changed: nothing forgotten
+    wait_until(lambda: svc.log().count("reload complete") == 2, what="the second reload")
+    assert svc.log().count("start full") == 1
 
 
 def test_a_node_scope_start_makes_a_small_settle_queue_and_a_reload_to_fleet_works(
@@ -1308,6 +1354,49 @@ def test_a_hup_into_a_config_that_cannot_boot_then_a_fixed_one_keeps_serving(
     assert svc.stop() == 0
 
 
+def test_a_reload_lets_a_replaced_worker_finish_a_slow_upload(
+    make: list[Service], tmp_path: Path
+) -> None:
+    """A replaced worker drains for up to the graceful timeout; its heartbeat ends when it
+    stops serving. Taken for silent, it was aborted at heartbeat_timeout_s and the upload
+    reset."""
+    svc = service(make, tmp_path, server={"workers": 1, "heartbeat_timeout_s": 3})
+    svc.start()
+    body = b'{"slow": "upload"}'
+    slow = socket.create_connection(("127.0.0.1", svc.port), timeout=30)
+    slow.sendall(_request_head(body) + body[:5])
+    wait_until(lambda: accept_queue(svc.port) == 0, what="the upload taken")
+    (old,) = svc.pids("worker")
+    svc.send(signal.SIGHUP)
+    wait_until(lambda: f"worker {old} stopping: replaced" in svc.log(), what="the old one retired")
+    time.sleep(4.5)  # past heartbeat_timeout_s, and its supervisor's tick
+    slow.sendall(body[5:])
+    with slow:
+        assert _answer(slow).startswith(b"HTTP/1.1 201 ")
+    assert "aborting" not in svc.log()
+    assert readers.count(svc.store_path) == 1
+
+
+def test_a_reload_whose_admin_process_cannot_start_goes_back(
+    make: list[Service], tmp_path: Path
+) -> None:
+    """The new config's admin token is unreadable. The reload used to complete with its
+    workers, before the admin process was even started (the old one still finishing a
+    request), which was then retried for good with /healthz unanswered."""
+    svc = service(make, tmp_path).start()
+    half = socket.create_connection(("127.0.0.1", svc.admin_port), timeout=30)
+    half.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # the old admin drains it
+    svc.rewrite(NODE, server={"admin_token_file": str(tmp_path / "no-such-token")})
+    svc.send(signal.SIGHUP)
+    time.sleep(1.0)  # the workers replaced meanwhile
+    half.close()
+    wait_until(lambda: "going back to the previous one" in svc.log(), what="the reload undone")
+    assert "reload complete" not in svc.log()
+    wait_until(lambda: len(svc.pids("admin")) == 1, what="an admin of the running config")
+    assert svc.admin("GET", "/healthz")[0] == 200  # no token asked: the running config's
+    assert svc.post("github", b"{}", signed(b"{}")).status == 201
+
+
 def test_a_worker_that_cannot_boot_again_while_others_serve_is_retried(
     make: list[Service], tmp_path: Path
 ) -> None:
@@ -1378,6 +1467,11 @@ def test_a_hup_moving_the_store_keeps_it_until_a_restart(
     assert "HUP: store.path changed; it takes effect at the next restart" in svc.log()
     assert svc.post("github", b"{}", signed(b"{}")).status == 201
     assert readers.count(svc.store_path) == 2 and not moved.exists()
+    # the same file, named relative to the directory the service runs in: no change
+    svc.rewrite(NODE, path="hooks.db")
+    svc.send(signal.SIGHUP)
+    wait_until(lambda: svc.log().count("reload complete") == 2, what="the second reload")
+    assert svc.log().count("store.path changed") == 1
     assert svc.stop() == 0
 
 

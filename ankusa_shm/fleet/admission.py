@@ -156,7 +156,7 @@ class Fleet:
             if answer is not None:
                 return self._tally(answer)
             failed = self._failure  # the claim's moment stays unknown
-        self._fall_back(failed, now_ms)
+        self._fall_back(failed, now_ms, claim is not None)
         return self._tally(self._take_local(source.tenant, limit, now, claim))
 
     def refund(self, source: Source) -> None:
@@ -186,6 +186,7 @@ class Fleet:
         claims = stored_claims(hooks, wall_ms, self._store.dedupe_key)
         for claim, hook_id in claims:
             self._settler.promote(claim, hook_id)
+        self._row.add(Counter.REPROMOTED, len(claims))
         return len(claims)
 
     def release(self, claim: Claim | None) -> None:
@@ -195,6 +196,9 @@ class Fleet:
         """Tenant limits set at run time (the admin API's), replacing the last set; a
         tenant not in it goes back to its configured limit."""
         self._overrides = dict(overrides)
+
+    def overridden(self, tenant: str) -> bool:
+        return tenant in self._overrides
 
     async def reset_tenant(self, tenant: str) -> None:
         """Forget the tenant's buckets, this host's and the fleet's (its limit changed).
@@ -258,7 +262,8 @@ class Fleet:
             return None
         if verdict == redis_store.UNRECORDED:  # it reads, but writes nothing: see admit.lua
             assert isinstance(value, bytes)
-            self._fall_back(WritesRefused(value.decode(errors="replace")), now_ms)
+            writes_refused = WritesRefused(value.decode(errors="replace"))
+            self._fall_back(writes_refused, now_ms, claim is not None)
             if claim is not None:  # nothing of it in Redis; its promote will say it is stored
                 claim = Claim(claim.key, NO_TOKEN, claim.ttl_ms)
             return self._take_local(tenant, limit, now, claim)
@@ -290,10 +295,13 @@ class Fleet:
             return RateLimited(wait)
         return Admit(claim)
 
-    def _fall_back(self, failed: BaseException | None, now_ms: int) -> None:
-        """Count the hook as answered node-local; ``failed`` is why its call failed, None
-        if the breaker let none be made."""
+    def _fall_back(self, failed: BaseException | None, now_ms: int, keyed: bool) -> None:
+        """Count the hook as answered node-local, for each fleet kind it had (a hook with
+        no event key had no dedupe to answer); ``failed`` is why its call failed, None if
+        the breaker let none be made."""
         for kind in self._kinds:
+            if kind == "dedupe" and not keyed:
+                continue
             self._row.add(_FALLBACK[kind])
             if self._degraded.failed(kind, now_ms):
                 why = self._why(failed)

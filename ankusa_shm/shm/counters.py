@@ -92,8 +92,9 @@ class Counter(enum.Enum):
     REPROMOTED = (
         "fleet_repromoted",
         (),
-        "Hooks promoted again from the store: after the fleet store lost its data, or the "
-        "settle queue dropped operations.",
+        "Hooks promoted again from the store: after the fleet store lost its data, the "
+        "settle queue dropped operations, or a worker or supervisor died (those go through "
+        "the settle queue, and are in fleet_settle_enqueued too).",
     )
     SETTLE_DROPS_RECOVERED = (
         "fleet_settle_drops_recovered",

@@ -46,16 +46,21 @@ class Histogram(enum.Enum):
         LATENCY_BOUNDS_NS,
         1e9,
     )
-    BATCH = ("store_batch_hooks", "Hooks per store transaction.", BATCH_BOUNDS, 1.0)
+    BATCH = (
+        "store_batch_hooks",
+        "Hooks per store transaction, resends its index found stored included.",
+        BATCH_BOUNDS,
+        1.0,
+    )
     LOCK_WAIT = (
         "store_lock_wait_seconds",
-        "How long a store transaction waited for the writers' lock (another worker held it).",
+        "How long a hook transaction waited for the writers' lock (another writer held it).",
         SHORT_BOUNDS_NS,
         1e9,
     )
     LOCK_HELD = (
         "store_lock_held_seconds",
-        "How long a store transaction held the writers' lock: its statements and its COMMIT.",
+        "How long a hook transaction held the writers' lock: its statements and its COMMIT.",
         SHORT_BOUNDS_NS,
         1e9,
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ankusa_shm._atomics import AtomicView
@@ -151,13 +152,24 @@ def release_dead(view: AtomicView, lay: L.Layout, pid: int) -> int:
     back to nobody (killed or not, it simply exits): the supervisor does it once it has
     reaped the child, so ``pid`` cannot have gone to another process yet -- and a slot
     whose (pid, start ticks) names a live process is left alone all the same."""
+    return _release(view, lay, lambda holder: holder == pid)
+
+
+def release_gone(view: AtomicView, lay: L.Layout) -> int:
+    """Free every slot whose holder is gone; how many. For a supervisor re-attaching to
+    the segment its dead predecessor left: nobody reaped that one's children, and their
+    slots were listed as dead processes for good."""
+    return _release(view, lay, lambda holder: True)
+
+
+def _release(view: AtomicView, lay: L.Layout, whose: Callable[[int], bool]) -> int:
     base = lay.offset("processes")
     freed = 0
     for i in range(lay.params.process_slots):
         hdr = base + i * L.PROCESS_SLOT_BYTES + L.PS_HEADER
         w = view.load(hdr)
         holder, state, _, start = _unpack(w)
-        if state == SlotState.FREE or holder != pid or pid_alive(holder, start):
+        if state == SlotState.FREE or not whose(holder) or pid_alive(holder, start):
             continue
         if view.cas(hdr, w, _pack(0, SlotState.FREE, 0, 0)):
             freed += 1

@@ -96,7 +96,9 @@ class Child:
     lane: int  # which lane's sockets a worker accepts on (``sockets.Listeners``)
     ready: bool = False
     recovering: int | None = None  # a worker's: the recovery it does before it serves
+    resetting: list[str] = field(default_factory=list)  # a worker's: buckets it forgets first
     retiring: bool = False  # told to stop
+    retired_at: float | None = None  # monotonic s when ``_retire`` told it to stop
     abort_sent: float | None = None  # monotonic s of the SIGABRT for a silent heartbeat
 
 
@@ -142,6 +144,9 @@ class Arbiter:
         # what was stored since then (``Worker``), closing the gap a crash between a
         # commit and its settle leaves. Owed again if that worker goes before it serves.
         self._recover_since_ms: int | None = None
+        # Tenants whose limit a reload changed: the next worker forgets their buckets (this
+        # host's and the fleet's) before it serves; owed again if it goes before it does.
+        self._reset_tenants: list[str] = []
         # Nothing this run did can have left a hook unsettled in Redis but what the settle
         # queue holds, or a crash recovery still owed: every recovery was done whole (it
         # reads at most half a queue, and may fail), and no worker or drainer was killed
@@ -173,6 +178,8 @@ class Arbiter:
                     log.info("the last stop left every hook settled: no recovery owed")
                 else:
                     self._recover_from(recovery.start(cfg, recovery.last_heard_ms(self._seg)))
+                # its children's slots, read for their last heartbeats above, are free now
+                procs.release_gone(self._seg.view, self._seg.layout)
             # A new one: what an earlier segment held queued (lost with a reboot, or with a
             # segment replaced on upgrade) is unknown, and its drainer promotes again what
             # was stored since the last stop that left every hook settled, or the whole
@@ -316,9 +323,10 @@ class Arbiter:
                 log.error("%s; trying again in %.1f s", e, self._backoff[kind].delay)
                 return
         ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
-        recover = None
-        if kind is Kind.WORKER:  # taken here, in the supervisor: one worker recovers
+        recover, reset = None, []
+        if kind is Kind.WORKER:  # taken here, in the supervisor: one worker does these
             recover, self._recover_since_ms = self._recover_since_ms, None
+            reset, self._reset_tenants = self._reset_tenants, []
         # A child inherits our handlers, which queue a signal for our loop, not its own:
         # one sent to it before it has put its own in place would be lost (a TERM so lost
         # kept a new worker serving through a stop). Blocked across the fork, it waits for
@@ -331,15 +339,29 @@ class Arbiter:
             raise
         if pid == 0:
             os.close(ready_r)
-            self._in_child(kind, ready_w, mine, recover)
+            self._in_child(kind, ready_w, mine, recover, reset)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.close(ready_w)
-        c = Child(pid, kind, self.cfg, time.monotonic(), ready_r, lane, recovering=recover)
+        c = Child(
+            pid,
+            kind,
+            self.cfg,
+            time.monotonic(),
+            ready_r,
+            lane,
+            recovering=recover,
+            resetting=reset,
+        )
         self._children[pid] = c
         log.info("%s %d started", kind.value, pid)
 
     def _in_child(
-        self, kind: Kind, ready_w: int, mine: list[socket.socket], recover: int | None
+        self,
+        kind: Kind,
+        ready_w: int,
+        mine: list[socket.socket],
+        recover: int | None,
+        reset: list[str],
     ) -> None:
         """In the forked child: let go of what is the supervisor's, then run."""
         parent = os.getppid()
@@ -376,7 +398,7 @@ class Arbiter:
             from ankusa_shm import worker
 
             slot = procs.claim(seg.view, seg.layout, Role.WORKER)
-            return worker.Worker(cfg, seg, slot, mine, ready, recover).run()
+            return worker.Worker(cfg, seg, slot, mine, ready, recover, reset).run()
 
         child.run(title, parent, body)
 
@@ -392,7 +414,7 @@ class Arbiter:
             self._served.add(c.kind)
             if data == b"2":  # it said why in its log
                 self._settles_clean = False
-            c.recovering = None
+            c.recovering, c.resetting = None, []
             log.info("%s %d serving", c.kind.value, c.pid)
 
     def _reap(self) -> None:
@@ -417,6 +439,7 @@ class Arbiter:
         how = f"exit status {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
         if c.recovering is not None:  # gone before its recovery was done: the next one's
             self._recover_from(c.recovering)
+        self._reset_tenants = sorted({*self._reset_tenants, *c.resetting})
         if c.retiring or self._stop is not None:
             log.info("%s %d stopped (%s)", c.kind.value, c.pid, how)
             # killed with a commit or a delivery half done (a worker not yet serving had none)
@@ -490,7 +513,7 @@ class Arbiter:
 
     def _retire(self, c: Child, why: str) -> None:
         if not c.retiring:
-            c.retiring = True
+            c.retiring, c.retired_at = True, time.monotonic()
             log.info("%s %d stopping: %s", c.kind.value, c.pid, why)
             _kill(c.pid, signal.SIGTERM)
 
@@ -550,7 +573,18 @@ class Arbiter:
         drainer_current = not want_drainer or any(
             d.cfg is self.cfg and d.ready and not d.retiring for d in drainers
         )
-        if self._previous is not None and not old and not starting and drainer_current:
+        # the admin process of the new config too: one that cannot start sends the reload
+        # back (it was retried for good instead, with /healthz unanswered meanwhile)
+        admin_current = self._admin_socket is None or any(
+            a.cfg is self.cfg and a.ready and not a.retiring for a in admins
+        )
+        if (
+            self._previous is not None
+            and not old
+            and not starting
+            and drainer_current
+            and admin_current
+        ):
             log.info("reload complete")
             self._previous = None
             self._ready_again()
@@ -580,7 +614,11 @@ class Arbiter:
         # to one of our children, with a heartbeat long stale.
         live = [p for p in procs.read(self._seg.view, self._seg.layout) if p.alive]
         beats = {p.pid: p.heartbeat_ms for p in live}
-        limit_ms = self.cfg.server.heartbeat_timeout_s * 1000
+        silent_ms = self.cfg.server.heartbeat_timeout_s * 1000
+        # A child told to stop has no heartbeat (it ends with its serving), and may finish
+        # a slow request for up to the graceful timeout: aborted as silent, a reload cut a
+        # slow upload short at heartbeat_timeout_s.
+        stopping_ms = (self.cfg.server.graceful_timeout_s + KILL_AFTER_S) * 1000
         now_ms = monotonic_ms()
         for c in self._children.values():
             if c.abort_sent is not None:
@@ -588,10 +626,16 @@ class Arbiter:
                     _kill(c.pid, signal.SIGKILL)
                 continue
             beat = beats.get(c.pid)
-            if not c.ready:
-                how, quiet_ms = "not serving after", (now - c.started) * 1000
+            if c.retired_at is not None:
+                how, quiet_ms, limit_ms = (
+                    "still stopping after",
+                    (now - c.retired_at) * 1000,
+                    stopping_ms,
+                )
+            elif not c.ready:
+                how, quiet_ms, limit_ms = "not serving after", (now - c.started) * 1000, silent_ms
             elif beat is not None:
-                how, quiet_ms = "silent for", now_ms - beat
+                how, quiet_ms, limit_ms = "silent for", now_ms - beat, silent_ms
             else:
                 continue
             if quiet_ms > limit_ms:
@@ -697,6 +741,9 @@ class Arbiter:
         if self._announced_ready:  # before the first READY=1, systemd has nothing to reload
             self.notifier.send("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
         signalled = self._target if self._target != _worker_count(self.cfg) else None
+        tenants = {s.tenant for s in (*self.cfg.sources, *new.sources)}
+        changed = self.cfg.rate_limits.changed(new.rate_limits, tenants)
+        self._reset_tenants = sorted({*self._reset_tenants, *changed})
         self._previous, self.cfg = self._previous or self.cfg, new
         self._target = _worker_count(new)
         self._publish(new)
@@ -807,7 +854,8 @@ def _keep_restart_only(old: Config, new: Config) -> Config:
         ("server.listen", old.server.listen, new.server.listen),
         ("server.admin_listen", old.server.admin_listen, new.server.admin_listen),
         ("fleet.settle_queue_size", old.fleet.settle_queue_size, new.fleet.settle_queue_size),
-        ("store.path", old.store.path, new.store.path),
+        # the same file, written another way (relative, a symlink), is no change
+        ("store.path", os.path.realpath(old.store.path), os.path.realpath(new.store.path)),
     ):
         if before != after:
             log.warning("HUP: %s changed; it takes effect at the next restart", name)
