@@ -87,6 +87,8 @@ def test_at_the_cap_a_new_connection_closes_the_longest_idle_one(svc: Service) -
         assert not any(closed_by_server(s, 0.1) for s in idle[2:])
         assert shed(svc, "idle") == 2
         assert shed(svc, "new") == 0
+        # said while the one shed still counted: at the cap, not one under it
+        assert "8 client connections open, the most this process holds" in svc.log()
     finally:
         for s in idle:
             s.close()

@@ -983,6 +983,12 @@ def test_hup_applies_a_new_limit_without_refusing_a_connection(
     assert "the running configuration keeps serving" in svc.log()
     assert svc.post("github", b"{}", signed(b"{}")).status == 201
 
+    svc.rewrite("[rate_limits]\ndefault = { rate = 0.001, burst = 1000 }\n")  # no sources
+    svc.send(signal.SIGHUP)
+    wait_until(lambda: "every hook will be answered 404" in svc.log(), what="the warning")
+    wait_until(lambda: svc.log().count("reload complete") == 2, what="the reload")
+    assert svc.post("github", b"{}", signed(b"{}")).status == 404
+
 
 def test_a_reload_keeps_every_lanes_listening_socket(make: list[Service], tmp_path: Path) -> None:
     """A lane outlives its worker: the replacement accepts on the very socket the old one

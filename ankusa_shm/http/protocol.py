@@ -627,11 +627,11 @@ class HttpServer:
         if len(self.connections) < self.limits.max_connections:
             return True
         if self.idle:
+            self._count_shed(Counter.SHED_IDLE)  # first: it says how many are open
             oldest = next(iter(self.idle))
             del self.idle[oldest]
             self.connections.discard(oldest)  # gone now, not when the loop reports it
             oldest.shed()
-            self._count_shed(Counter.SHED_IDLE)
             return True
         self._count_shed(Counter.SHED_NEW)
         return False

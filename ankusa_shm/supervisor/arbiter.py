@@ -738,6 +738,10 @@ class Arbiter:
             )
             return
         _check_room(new)
+        if not new.sources:  # valid, and surely not meant (check-config says the same)
+            log.warning(
+                "HUP: no [[sources]] in %s: every hook will be answered 404", self.config_path
+            )
         if self._announced_ready:  # before the first READY=1, systemd has nothing to reload
             self.notifier.send("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
         signalled = self._target if self._target != _worker_count(self.cfg) else None
