@@ -25,9 +25,10 @@ provider does. While it runs, faults are injected on a schedule scaled to the du
   redis-full       redis-server at its maxmemory under noeviction: it refuses writes (-OOM)
                    and still answers reads
   reload           SIGHUP: every worker replaced, one at a time, under the load
-  scale            SIGTTIN, then SIGTTOU once the extra worker serves (the closed worker's
-                   socket resets what the kernel queued on it in the last instant unless
-                   net.ipv4.tcp_migrate_req is 1: counted, and held against the run only then)
+  scale            SIGTTIN, then SIGTTOU once the extra worker serves (closing the removed
+                   worker's socket can reset a connection whose handshake is under way
+                   unless net.ipv4.tcp_migrate_req is 1: counted, and held against the run
+                   only then)
 
 The ledger (printed, and the last line as one JSON object): hooks answered 2xx but not in
 their host's store (lost); copies stored per event key fleet-wide, split by whether
