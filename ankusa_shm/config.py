@@ -239,6 +239,12 @@ class Store:
     retention_interval_s: int = setting(60, "Pause between retention runs.", between(1, 86_400))
 
     @property
+    def file(self) -> str:
+        """The database as the file system names it: one file however ``path`` is
+        written (relative, through a symlink), to tell whether two configs share it."""
+        return os.path.realpath(self.path)
+
+    @property
     def close_wait_s(self) -> float:
         """How long closing a writer waits for its thread. Every hook it holds is answered
         within one ``lock_timeout_ms`` (its transaction began, or it was given up on); a
@@ -276,11 +282,11 @@ class RateLimits:
         spec = self.tenants.get(tenant)
         return (spec or self.default).limit
 
-    def changed(self, new: RateLimits, tenants: set[str]) -> list[str]:
+    def changed(self, new: RateLimits, tenants: set[str]) -> set[str]:
         """Which of ``tenants`` the move to ``new`` gives another limit: their buckets,
         filled under the old one, must be forgotten (a bucket filled under a strict limit
         kept a raised one refusing for up to the old burst's length)."""
-        return sorted(t for t in tenants if self.limit_for(t) != new.limit_for(t))
+        return {t for t in tenants if self.limit_for(t) != new.limit_for(t)}
 
 
 @dataclass(frozen=True)
@@ -377,17 +383,17 @@ def _json_path(v: str) -> str | None:
     return f"{v!r} is not a dotted path, e.g. 'data.object.id'"
 
 
+def _previous_secret(where: str) -> Any:
+    return setting("", f"{where} holding the secret being replaced, accepted too meanwhile.")
+
+
 @dataclass(frozen=True)
 class Hmac:
     header: str = required("Header carrying the signature.", _header_name)
     secret_env: str = setting("", "Environment variable holding the secret.")
     secret_file: str = setting("", "File holding the secret.")
-    previous_secret_env: str = setting(
-        "", "Environment variable holding the secret being replaced, accepted too meanwhile."
-    )
-    previous_secret_file: str = setting(
-        "", "File holding the secret being replaced, accepted too meanwhile."
-    )
+    previous_secret_env: str = _previous_secret("Environment variable")
+    previous_secret_file: str = _previous_secret("File")
     prefix: str = setting("", "Text before the digest, e.g. 'sha256='.")
     algorithm: Literal["sha256", "sha1", "sha512"] = setting("sha256", "Digest.")
     encoding: Literal["hex", "base64"] = setting(
@@ -399,12 +405,8 @@ class Hmac:
 class StandardWebhooks:
     secret_env: str = setting("", "Environment variable holding the whsec_ secret.")
     secret_file: str = setting("", "File holding the whsec_ secret.")
-    previous_secret_env: str = setting(
-        "", "Environment variable holding the secret being replaced, accepted too meanwhile."
-    )
-    previous_secret_file: str = setting(
-        "", "File holding the secret being replaced, accepted too meanwhile."
-    )
+    previous_secret_env: str = _previous_secret("Environment variable")
+    previous_secret_file: str = _previous_secret("File")
     tolerance_s: int = setting(
         300, "Largest distance of the signed timestamp from now.", between(1, 86_400)
     )
@@ -419,12 +421,8 @@ class Svix(StandardWebhooks):
 class Stripe:
     secret_env: str = setting("", "Environment variable holding the endpoint's secret.")
     secret_file: str = setting("", "File holding the endpoint's secret.")
-    previous_secret_env: str = setting(
-        "", "Environment variable holding the secret being replaced, accepted too meanwhile."
-    )
-    previous_secret_file: str = setting(
-        "", "File holding the secret being replaced, accepted too meanwhile."
-    )
+    previous_secret_env: str = _previous_secret("Environment variable")
+    previous_secret_file: str = _previous_secret("File")
     tolerance_s: int = setting(
         300, "Largest distance of the signed timestamp from now.", between(1, 86_400)
     )
@@ -529,7 +527,7 @@ class Config:
         """What may be shown to anyone who can read the segment: no secrets, no sources."""
         return {
             "origin": self.origin,
-            "store": os.path.realpath(self.store.path),
+            "store": self.store.file,
             "rate_limits": {"scope": self.rate_limits.scope},
             "dedupe": {"scope": self.dedupe.scope},
             "fleet": {

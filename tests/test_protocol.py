@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
+from ankusa_shm import config
 from ankusa_shm.http.protocol import (
     FEED_BYTES,
     PIPELINE_DEPTH,
@@ -15,14 +16,7 @@ from ankusa_shm.http.protocol import (
     Response,
 )
 
-LIMITS = Limits(
-    max_header_bytes=8192,
-    max_body_bytes=65536,
-    header_timeout_s=5.0,
-    body_timeout_s=5.0,
-    keepalive_timeout_s=5.0,
-    max_connections=16,
-)
+LIMITS = Limits.of(config.Server(max_connections=16))
 
 
 def test_a_pipelined_burst_is_parsed_only_as_deep_as_the_pipeline() -> None:
@@ -55,7 +49,7 @@ def test_a_pipelined_burst_is_parsed_only_as_deep_as_the_pipeline() -> None:
         await asyncio.sleep(0.5)  # for the server to read what it will
         (conn,) = server.connections
         parsed = 1 + len(conn._pipeline)  # the one the handler holds, and those queued
-        held = len(getattr(conn, "_held", b""))
+        held = len(conn._held)
         gate.set()
         answers = await asyncio.wait_for(reader.read(), 30)
         writer.close()

@@ -993,7 +993,7 @@ def test_hup_applies_a_new_limit_without_refusing_a_connection(
 def test_a_reload_keeps_every_lanes_listening_socket(make: list[Service], tmp_path: Path) -> None:
     """A lane outlives its worker: the replacement accepts on the very socket the old one
     did, so connections queued on it when the old one exits are not reset. (When the
-    second lane was its worker's own, a reload reset about one connection in 4,000 under
+    second lane was its worker's own, a reload reset about one connection in 3,000 under
     load; the test above saw it once in a suite run.)"""
     svc = service(make, tmp_path).start()
     wait_until(lambda: listening_sockets(svc.port) == 2, what="both lanes listening")

@@ -135,11 +135,11 @@ class Fleet:
         now = self._clock()
         limit = self._limit(source.tenant)
         event_key = envelope.event_key if self._dedupe_fleet else None
-        if (event_key is None and not self._rate_fleet) or self._store is None:
+        if event_key is None and not self._rate_fleet:
             # Nothing for the fleet to do: both scopes node, or a keyless hook whose rate
-            # limit is the host's. No store call, no breaker sample. (Or the worker is
-            # stopping, and its Redis connection closed under a request still running.)
+            # limit is the host's. No store call, no breaker sample.
             return self._tally(self._take_local(source.tenant, limit, now, None))
+        assert self._store is not None
         now_ms = now // 1_000_000
         permit = self._breaker.allow(now_ms)
         claim = None

@@ -514,15 +514,10 @@ class Connection(asyncio.Protocol):
         self._server.idle[self] = None  # the last to become idle, the last to be shed
 
     def shed(self) -> None:
-        """Closed at the cap, without a word: the longest-idle one, to make room for a new
-        one, or a new one with none idle. Neither is in a request, so nothing is lost."""
-        if self._transport is not None:
-            self._closing = True
-            self._transport.close()
-
-    def cut(self) -> None:
-        """Closed now, at a fast stop or a graceful one out of time: what its client sent
-        and was not answered is dropped, for it to send again."""
+        """Closed now, without a word: at the cap, the longest-idle one to make room for a
+        new one, or a new one with none idle (neither in a request: nothing is lost); at a
+        fast stop or a graceful one out of time, every one, and what its client sent and
+        was not answered is dropped, for it to send again."""
         if self._transport is not None:
             self._closing = True
             self._pipeline.clear()
@@ -658,19 +653,21 @@ class HttpServer:
             for conn in list(self.connections):
                 conn.check_deadline(now)
 
-    def stop_accepting(self) -> list[socket.socket]:
-        """Close the listening sockets, and return the connections the kernel had queued on
-        them, taken just before: the last close of a listening socket resets every one
-        still in its queue (0 to 11 of 64 clients' on each TERM), whose clients were told
-        it was open."""
+    def stop_accepting(self) -> None:
+        self._listening = []
+        for srv in self._servers:
+            srv.close()
+
+    def _take_queued(self) -> list[socket.socket]:
+        """The connections the kernel has queued on the listening sockets, taken before
+        they are closed: the last close of a listening socket resets every one still in
+        its queue (0 to 11 of 64 clients' on each TERM), whose clients were told it was
+        open. No await between this and ``stop_accepting``."""
         queued = []
         for sock in self._listening:
             with contextlib.suppress(OSError):  # BlockingIOError: none left
                 while True:
                     queued.append(sock.accept()[0])
-        self._listening = []
-        for srv in self._servers:
-            srv.close()
         return queued
 
     async def stop(
@@ -680,8 +677,7 @@ class HttpServer:
         ``hurry`` set cuts a graceful stop short (SIGINT after SIGTERM)."""
         if not graceful:
             self.stopping = True
-            for sock in self.stop_accepting():
-                sock.close()
+            self.stop_accepting()
         elif not await self.drain(timeout_s, hurry):
             busy = len(self.connections)
             if hurry is not None and hurry.is_set():
@@ -691,13 +687,15 @@ class HttpServer:
         # Nothing more is read: the store and Redis are closed next, under any request
         # that would still begin (a fast stop answered them 500 from a closed fleet).
         for conn in list(self.connections):
-            conn.cut()
+            conn.shed()
 
     async def drain(self, timeout_s: float, hurry: asyncio.Event | None = None) -> bool:
         """Stop accepting, let in-flight requests finish; True if all did in time."""
         self.stopping = True
         loop = asyncio.get_running_loop()
-        for sock in self.stop_accepting():
+        queued = self._take_queued()
+        self.stop_accepting()
+        for sock in queued:
             sock.setblocking(False)
             await loop.connect_accepted_socket(lambda: Connection(self, loop), sock)
         deadline = time.monotonic() + timeout_s

@@ -215,7 +215,7 @@ class Segment:
                 "or choose another server.segment"
             ) from None
         except LayoutMismatch as e:
-            if e.owner_pid != os.getpid() and pid_alive(e.owner_pid, e.owner_start):
+            if _held_by_another(e.owner_pid, e.owner_start):
                 raise SegmentInUse(
                     f"{e}, and is owned by live process {e.owner_pid} (another build of "
                     "ankusa-shm): stop it first, or choose another server.segment"
@@ -233,8 +233,7 @@ class Segment:
         except SegmentError as e:
             return replace(path, params, str(e))
         hdr = seg.header()
-        # The owner's pid may since have gone to another process: judge it by its start time.
-        if hdr.owner_pid != os.getpid() and pid_alive(hdr.owner_pid, hdr.owner_start):
+        if _held_by_another(hdr.owner_pid, hdr.owner_start):
             seg.close()
             raise SegmentInUse(f"segment {path} is owned by live process {hdr.owner_pid}")
         if hdr.params != params:
@@ -350,6 +349,12 @@ _BUILD_PARAMS = {
     "statuses": "status columns",
     "histogram_words": "histogram words",
 }
+
+
+def _held_by_another(owner_pid: int, owner_start: int) -> bool:
+    """Whether a live process other than this one owns the segment. The owner's pid may
+    since have gone to another process: it is judged by its start time too."""
+    return owner_pid != os.getpid() and pid_alive(owner_pid, owner_start)
 
 
 def replace(path: str, params: L.Params, why: str, queued: int | None = None) -> Segment:

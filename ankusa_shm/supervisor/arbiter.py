@@ -97,9 +97,12 @@ class Child:
     ready: bool = False
     recovering: int | None = None  # a worker's: the recovery it does before it serves
     resetting: list[str] = field(default_factory=list)  # a worker's: buckets it forgets first
-    retiring: bool = False  # told to stop
-    retired_at: float | None = None  # monotonic s when ``_retire`` told it to stop
+    retired_at: float | None = None  # monotonic s when it was told to stop
     abort_sent: float | None = None  # monotonic s of the SIGABRT for a silent heartbeat
+
+    @property
+    def retiring(self) -> bool:
+        return self.retired_at is not None
 
 
 @dataclass
@@ -513,7 +516,7 @@ class Arbiter:
 
     def _retire(self, c: Child, why: str) -> None:
         if not c.retiring:
-            c.retiring, c.retired_at = True, time.monotonic()
+            c.retired_at = time.monotonic()
             log.info("%s %d stopping: %s", c.kind.value, c.pid, why)
             _kill(c.pid, signal.SIGTERM)
 
@@ -747,7 +750,7 @@ class Arbiter:
         signalled = self._target if self._target != _worker_count(self.cfg) else None
         tenants = {s.tenant for s in (*self.cfg.sources, *new.sources)}
         changed = self.cfg.rate_limits.changed(new.rate_limits, tenants)
-        self._reset_tenants = sorted({*self._reset_tenants, *changed})
+        self._reset_tenants = sorted(changed.union(self._reset_tenants))
         self._previous, self.cfg = self._previous or self.cfg, new
         self._target = _worker_count(new)
         self._publish(new)
@@ -775,12 +778,13 @@ class Arbiter:
             self._listeners.close()
         for c in self._children.values():
             if c.kind is Kind.WORKER or not graceful:
-                c.retiring = True
+                c.retired_at = c.retired_at or now
                 _kill(c.pid, signal.SIGTERM if graceful else signal.SIGQUIT)
 
     def _signal_all(self, sig: int) -> None:
+        now = time.monotonic()
         for c in self._children.values():
-            c.retiring = True
+            c.retired_at = c.retired_at or now
             _kill(c.pid, sig)
 
     def _advance_stop(self, now: float) -> bool:
@@ -858,8 +862,7 @@ def _keep_restart_only(old: Config, new: Config) -> Config:
         ("server.listen", old.server.listen, new.server.listen),
         ("server.admin_listen", old.server.admin_listen, new.server.admin_listen),
         ("fleet.settle_queue_size", old.fleet.settle_queue_size, new.fleet.settle_queue_size),
-        # the same file, written another way (relative, a symlink), is no change
-        ("store.path", os.path.realpath(old.store.path), os.path.realpath(new.store.path)),
+        ("store.path", old.store.file, new.store.file),
     ):
         if before != after:
             log.warning("HUP: %s changed; it takes effect at the next restart", name)
@@ -871,8 +874,7 @@ def _of_this_store(seg: Segment, cfg: Config) -> Segment:
     service left queued in it is for that store's hooks: refused while it holds any, and
     made anew if it holds none (so that neither its queue nor its marks of what was settled
     are taken for this store's)."""
-    held = seg.read_config().get("store")
-    mine = cfg.public()["store"]
+    held, mine = seg.read_config().get("store"), cfg.store.file
     if not isinstance(held, str) or held == mine:
         return seg
     depth = seg.queue_depth()
