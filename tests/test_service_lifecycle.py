@@ -546,6 +546,30 @@ def test_a_host_that_lost_its_segment_promotes_again_what_it_had_queued(
     assert svc.stop() == 0
 
 
+def test_a_new_segments_drainer_promotes_again_only_what_was_stored_before_it(
+    make: list[Service], tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A new segment's drainer promotes again the hooks stored before the segment was
+    made, whose settles went with an earlier one; not those its own workers stored before
+    its first look, whose promotes are in its queue. Here that look waits for Redis,
+    stopped as the service starts and while it serves: before, every hook stored
+    meanwhile was promoted twice, and counted as promoted again."""
+    redis_server.stop_signal()
+    try:
+        svc = service(make, tmp_path, fleet_config(redis_server)).start()
+        with Load(svc.port, threads=2) as load:
+            time.sleep(1.0)
+    finally:
+        redis_server.cont_signal()
+    accepted = dict(load.tally.accepted)
+    assert len(accepted) >= 5  # each waits out the fleet call's budget
+    wait_until(lambda: all_committed(redis_server.client(), accepted), what="every promote")
+    drainer_looked(svc)
+    assert counter(svc, Counter.REPROMOTED) == 0
+    assert "a new segment" not in svc.log()
+    assert svc.stop() == 0
+
+
 def _stored_and_settled(svc: Service, redis_server: RedisServer) -> dict[str, str]:
     """A second of load, then every accepted hook committed in Redis and the drainer's
     look after: the epoch read, a new segment's promotes all sent."""

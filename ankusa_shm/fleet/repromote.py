@@ -60,21 +60,24 @@ class Repromoter:
         self._dedupe = "dedupe" in cfg.fleet_kinds
         self._window_ms = cfg.dedupe_window_s * 1000
 
-    async def window(self, after_seq: int = 0) -> int | None:
+    async def window(self, after_seq: int = 0, before_seq: int = 0) -> int | None:
         """``since`` the start of the longest dedupe window."""
-        return await self.since(clock.wall_ms() - self._window_ms, after_seq)
+        return await self.since(clock.wall_ms() - self._window_ms, after_seq, before_seq)
 
-    async def since(self, since_wall_ms: int, after_seq: int = 0) -> int | None:
-        """Promote every keyed hook received since ``since_wall_ms`` (and committed after
-        seq ``after_seq``) and still in its dedupe window, newest first (the likeliest to
-        be sent again), ``PROMOTES_PER_CALL`` a call and at most ``PROMOTES_PER_S``,
-        counted in ``fleet_repromoted``. How many were sent; None if the store could not
-        be read or a call failed (said in the log), to be tried again later."""
+    async def since(
+        self, since_wall_ms: int, after_seq: int = 0, before_seq: int = 0
+    ) -> int | None:
+        """Promote every keyed hook received since ``since_wall_ms`` (committed after seq
+        ``after_seq``, and before ``before_seq`` if not 0) and still in its dedupe window,
+        newest first (the likeliest to be sent again), ``PROMOTES_PER_CALL`` a call and
+        at most ``PROMOTES_PER_S``, counted in ``fleet_repromoted``. How many were sent;
+        None if the store could not be read or a call failed (said in the log), to be
+        tried again later."""
         # No store yet: a first start whose workers have not created it.
         if not self._dedupe or not Path(self._path).exists():
             return 0
         sent = 0
-        below: int | None = readers.NEWEST
+        below: int | None = before_seq or readers.NEWEST
         while below is not None:
             try:
                 hooks, below = await asyncio.to_thread(
@@ -121,8 +124,9 @@ class Drops:
     upgrade replaced a segment of another layout, and whatever its queue held is gone,
     promotes that waited out a Redis outage included -- so there the hooks stored since
     the last stop that left all of them settled are promoted, once (``settled``, from
-    ``store.settled``), or the whole dedupe window if there was none. On a first
-    start that is an empty store."""
+    ``store.settled``), or the whole dedupe window if there was none; only those stored
+    before the segment was made (``SettleQueue.first_seq``), whose settles went through
+    the queue lost. On a first start that is an empty store."""
 
     def __init__(self, cfg: Config, seg: Segment, row: CounterRow, promote: Repromoter) -> None:
         self._seg = seg
@@ -157,11 +161,11 @@ class Drops:
             sent = await self._promote.since(mended_ms - self._slack_ms)
             span = f"in the {(wall_ms - mended_ms + self._slack_ms) / 1000:.0f} s since"
         elif self._settled is not None:
-            sent = await self._promote.window(self._settled.seq)
+            sent = await self._promote.window(self._settled.seq, self._queue.first_seq())
             at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self._settled.at_ms / 1000))
             span = f"since its last stop that left every hook settled ({at})"
         else:
-            sent = await self._promote.window()
+            sent = await self._promote.window(before_seq=self._queue.first_seq())
             span = "in their dedupe window"
         if sent is None:
             return

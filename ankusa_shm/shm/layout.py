@@ -195,6 +195,10 @@ Q_CONSUMER_ID = LINE + 16
 # Wall ms before which every operation the ring dropped for want of room has been made
 # good (``repromote.Drops``); 0: not known. The consumer's alone, kept for the next one.
 Q_MENDED_MS = LINE + 24
+# The first store seq whose settle went through this ring: what was committed before it
+# settled through an earlier segment, or never (``repromote.Drops``). Set by the supervisor
+# that made the segment, before any worker runs; 0: not known.
+Q_FIRST_SEQ = LINE + 32
 Q_SLOTS = 2 * LINE
 QS_SEQ = 0
 QS_RECORD = 8

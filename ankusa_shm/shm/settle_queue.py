@@ -150,6 +150,7 @@ class SettleQueue:
         self._consumer = base + L.Q_CONSUMER
         self._consumer_id = base + L.Q_CONSUMER_ID
         self._mended = base + L.Q_MENDED_MS
+        self._first_seq = base + L.Q_FIRST_SEQ
         self._slots = base + L.Q_SLOTS
         self.capacity = lay.params.queue_capacity
         self._grace_ms = grace_ms
@@ -298,6 +299,14 @@ class SettleQueue:
     def set_mended_ms(self, wall_ms: int) -> None:
         """The consumer's: every drop counted so far has been made good, as of ``wall_ms``."""
         self._view.store(self._mended, wall_ms)
+
+    def first_seq(self) -> int:
+        """The first store seq whose settle went through this ring; 0 if not known."""
+        return self._view.load(self._first_seq)
+
+    def set_first_seq(self, seq: int) -> None:
+        """The supervisor's, on a segment it made, before any worker commits."""
+        self._view.store(self._first_seq, seq)
 
     def consumer_pid(self) -> int:
         return self._view.load(self._consumer)

@@ -183,10 +183,12 @@ class Arbiter:
                     self._recover_from(recovery.start(cfg, recovery.last_heard_ms(self._seg)))
                 # its children's slots, read for their last heartbeats above, are free now
                 procs.release_gone(self._seg.view, self._seg.layout)
-            # A new one: what an earlier segment held queued (lost with a reboot, or with a
-            # segment replaced on upgrade) is unknown, and its drainer promotes again what
-            # was stored since the last stop that left every hook settled, or the whole
-            # dedupe window (``repromote.Drops``, ``store.settled``).
+            else:
+                # A new one: what an earlier segment held queued (lost with a reboot, or
+                # with a segment replaced on upgrade) is unknown, and its drainer promotes
+                # again what was stored before this one, since the last stop that left
+                # every hook settled, or in the dedupe window (``repromote.Drops``).
+                recovery.mark_new_segment(cfg, self._queue)
             self._publish(cfg)
             overrides.publish_stored(self._seg.blob("overrides"), cfg.store.path)
             self._install_signals()

@@ -11,6 +11,7 @@ the store (``keep_settled``), and a start after it on this boot owes nothing
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from ankusa_shm.clock import monotonic_ms, wall_ms
 from ankusa_shm.config import Config
@@ -19,7 +20,7 @@ from ankusa_shm.shm.counters import Counter, totals
 from ankusa_shm.shm.procs import Role
 from ankusa_shm.shm.segment import Segment
 from ankusa_shm.shm.settle_queue import SettleQueue
-from ankusa_shm.store import settled
+from ankusa_shm.store import readers, settled
 from ankusa_shm.store.schema import StoreError
 
 log = logging.getLogger("ankusa_shm.supervisor")
@@ -32,6 +33,20 @@ def start(cfg: Config, crashed_ms: int | None = None) -> int:
     not just now."""
     now_ms = wall_ms()
     return min(now_ms, crashed_ms or now_ms) - cfg.store.lock_timeout_ms - 1_000
+
+
+def mark_new_segment(cfg: Config, queue: SettleQueue) -> None:
+    """A segment this start made: the hooks committed from now on settle through its
+    queue, and only those before may have had theirs lost with an earlier segment. Its
+    drainer promotes those again (``repromote.Drops``), not what its own workers stored
+    before its first look. A store that cannot be read leaves it unknown: the whole
+    dedupe window is promoted, as before this was kept."""
+    try:
+        last = readers.last_seq(cfg.store.path) if Path(cfg.store.path).exists() else 0
+    except StoreError as e:
+        log.warning("cannot read the store's last hook: %s", e)
+        return
+    queue.set_first_seq(last + 1)
 
 
 def stopped_settled(cfg: Config, seg: Segment) -> bool:
