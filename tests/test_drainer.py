@@ -43,19 +43,21 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis_server import RedisServer
 
 from ankusa_shm import config, metrics
+from ankusa_shm.clock import monotonic_ms
 from ankusa_shm.config import Config
 from ankusa_shm.fleet.admission import Admit, Admitted, Claim, Fleet, RateLimited
 from ankusa_shm.fleet.drainer import Drainer
 from ankusa_shm.fleet.epoch import Epoch
 from ankusa_shm.fleet.redis_store import RedisStore
 from ankusa_shm.fleet.repromote import Repromoter
+from ankusa_shm.fleet.seen import Seen
 from ankusa_shm.hooks import AlreadyStored, Committed, NotStored
 from ankusa_shm.shm import layout as L
 from ankusa_shm.shm import procs, settle_queue
 from ankusa_shm.shm.counters import Counter
 from ankusa_shm.shm.procs import Role
 from ankusa_shm.shm.segment import Segment
-from ankusa_shm.shm.settle_queue import SettleQueue
+from ankusa_shm.shm.settle_queue import Op, Pushed, Record, SettleQueue
 
 
 def claim_of(answer: Admitted) -> Claim:
@@ -361,14 +363,20 @@ def test_only_expired_releases_make_no_round_trip(redis_server: RedisServer) -> 
         assert "evalsha" not in stats and "eval" not in stats
 
 
-def test_sigterm_drains_what_is_queued_and_exits_zero(
-    redis_server: RedisServer, tmp_path: Path
+@pytest.mark.parametrize("after", [0, 10], ids=["nothing-after", "ten-pushed-after"])
+def test_sigterm_delivers_what_was_queued_then_and_exits_zero(
+    redis_server: RedisServer, tmp_path: Path, after: int
 ) -> None:
+    """SIGTERM with one batch in flight (batches of 4) and 6 operations behind it: all 10
+    are delivered, and the drainer exits 0. What is pushed after the stop (a reload's new
+    workers push while the drainer they replace stops) is left for the next drainer.
+    Before, it stopped only at an empty queue, which under load never came, so a reload
+    waited out drain_on_stop_ms (a minute here)."""
     with segments(1) as (seg,):
-        # batches of 4: at SIGTERM one batch is in flight and 6 operations wait behind it
-        raw = fleet_raw(redis_server.url, bare(seg), settle_timeout_ms=30_000, settle_batch_max=4)
+        settings: dict[str, Any] = {"settle_timeout_ms": 30_000, "drain_on_stop_ms": 60_000}
+        raw = fleet_raw(redis_server.url, bare(seg), settle_batch_max=4, **settings)
         cfg_file = write_config(tmp_path / "ankusa.toml", raw)
-        cfg = fleet_config(redis_server.url, bare(seg), settle_timeout_ms=30_000)
+        cfg = fleet_config(redis_server.url, bare(seg), **settings)
 
         async def queue_up() -> None:
             async with open_fleet(cfg, seg) as fleet:
@@ -377,6 +385,7 @@ def test_sigterm_drains_what_is_queued_and_exits_zero(
                     fleet.settle(c, Committed(f"hook-{i}"))
 
         run(queue_up())
+        queue = SettleQueue(seg.view, seg.buf, seg.layout)
         with drainer_process(cfg_file, tmp_path / "drainer.log") as drainer:
             with stopped(redis_server.pid):  # the drainer holds its batch, unanswered
                 wait_until(
@@ -384,15 +393,21 @@ def test_sigterm_drains_what_is_queued_and_exits_zero(
                     "the drainer to send its batch",
                 )
                 drainer.signal(signal.SIGTERM)
+                time.sleep(0.2)  # it has seen the stop
                 assert drainer.proc.poll() is None
                 assert seg.queue_depth() == 10
+                for i in range(10, 10 + after):
+                    now = monotonic_ms()
+                    hook = f"hook-{i}".encode()
+                    promote = Record(Op.PROMOTE, dd_key(f"k{i}"), bytes(16), hook, 60_000, now, now)
+                    assert queue.push(promote) is Pushed.OK
             assert drainer.wait() == 0, drainer.output()
-        assert seg.queue_depth() == 0
+        assert seg.queue_depth() == after
         assert totals(seg)[Counter.SETTLED_PROMOTE] == 10
         assert totals(seg)[Counter.DRAIN_ROUND_TRIPS] == 3
         with redis_server.client() as r:
-            values = committed_values(r, [dd_key(f"k{i}") for i in range(10)])
-        assert values == [committed(i) for i in range(10)]
+            values = committed_values(r, [dd_key(f"k{i}") for i in range(10 + after)])
+        assert values == [committed(i) for i in range(10)] + [None] * after
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
@@ -673,16 +688,16 @@ def test_a_changed_epoch_is_promoted_for_only_when_the_server_does_not_evict(
             watch = Epoch(store, blob, promote, 1.0)
             try:
                 await watch.check()
-                first = blob.read()
-                assert isinstance(first, dict) and list(first) == ["ankusa:epoch"]
+                first = Seen.of(blob.read())
+                assert list(first.values) == ["ankusa:epoch"] and first.server == store.server
                 with redis_server.client() as r:
                     r.flushall()
                     await watch.check(evicting=True)
-                    second = blob.read()
-                    assert second not in (None, first)
+                    second = Seen.of(blob.read())
+                    assert second.values not in ({}, first.values)
                     r.flushall()
                     await watch.check()
-                    assert blob.read() == second
+                    assert Seen.of(blob.read()) == second
             finally:
                 await store.close()
                 slot.release()

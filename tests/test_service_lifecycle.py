@@ -674,6 +674,81 @@ def test_the_epoch_a_drainer_read_is_kept_for_the_next_one(
     assert svc.stop() == 0
 
 
+def _committed_in(r: redis.Redis, prefix: str, accepted: dict[str, str]) -> list[str]:
+    """The accepted hooks (delivery: hook id) that ``r`` does not hold committed under
+    ``prefix``."""
+    keys = [f"{prefix}:{{acme}}:dd:github:{d}" for d in accepted]
+    held = r.mget(keys)
+    return [d for (d, h), v in zip(accepted.items(), held, strict=True) if v != f"c:{h}".encode()]
+
+
+@pytest.mark.parametrize("move", ["server", "server and prefix"])
+def test_a_reload_onto_another_redis_carries_the_hosts_window_into_it(
+    make: list[Service], tmp_path: Path, redis_server: RedisServer, move: str
+) -> None:
+    """A HUP to another fleet store, under load: its drainer promotes into it every hook
+    this host stored in its window, those the new workers admitted against it while the
+    old drainer still settled into the old one included. The other store is told by its
+    server, here a copy of the old one's epoch (as a replica has), and by its keys
+    (another prefix), which before was noticed only when the epoch values differed. The
+    old drainer delivers what was queued when it was told to stop and goes, instead of
+    waiting for a queue the new workers keep filling to empty (drain_on_stop_ms, a minute
+    here, held the reload that long)."""
+    prefix = "moved" if "prefix" in move else "ankusa"
+    svc = service(make, tmp_path, fleet_config(redis_server, "drain_on_stop_ms = 60000\n")).start()
+    other = RedisServer()
+    try:
+        if prefix == "ankusa":  # a replica's epoch is its primary's
+            drainer_looked(svc)
+            epoch = redis_server.client().get("ankusa:epoch")
+            assert epoch is not None
+            other.client().set("ankusa:epoch", epoch)
+        with Load(svc.port, threads=2) as load:
+            time.sleep(0.5)
+            extra = f'key_prefix = "{prefix}"\ndrain_on_stop_ms = 60000\n'
+            svc.rewrite(fleet_config(other, extra))
+            svc.send(signal.SIGHUP)
+            wait_until(lambda: "reload complete" in svc.log(), what="the reload", timeout=30)
+            time.sleep(0.5)
+        accepted = dict(load.tally.accepted)
+        assert len(accepted) > 20
+        r = other.client()
+        wait_until(lambda: not _committed_in(r, prefix, accepted), what="all in the new store")
+        assert "settles into a fleet store it did not before" in svc.log()
+        assert svc.stop() == 0
+    finally:
+        other.close()
+
+
+@pytest.mark.parametrize("segment", ["kept", "new"])
+def test_a_restart_onto_another_redis_carries_the_hosts_window_into_it(
+    make: list[Service], tmp_path: Path, redis_server: RedisServer, segment: str
+) -> None:
+    """A clean stop, then a start pointed at another Redis whose epoch is the old one's
+    (a replica's is its primary's): on the same segment, or a new one (a reboot) whose
+    drainer finds the stop's mark in the store. Neither takes the other server for the
+    one it settled into: every hook this host stored is promoted into the new one. (On
+    a new segment the mark said all of them were settled, and nothing was promoted.)"""
+    svc = service(make, tmp_path, fleet_config(redis_server)).start()
+    accepted = _stored_and_settled(svc, redis_server)
+    assert svc.stop() == 0
+    assert settled.read(svc.store_path) is not None
+    other = RedisServer()
+    try:
+        epoch = redis_server.client().get("ankusa:epoch")
+        assert epoch is not None
+        other.client().set("ankusa:epoch", epoch)
+        if segment == "new":
+            segmod.unlink(svc.segment)  # as a reboot does
+        svc.rewrite(fleet_config(other))
+        svc.start()
+        r = other.client()
+        wait_until(lambda: not _committed_in(r, "ankusa", accepted), what="all in the new store")
+        assert svc.stop() == 0
+    finally:
+        other.close()
+
+
 def test_a_clean_stop_spares_the_next_start_what_it_settled(
     make: list[Service], tmp_path: Path, redis_server: RedisServer
 ) -> None:

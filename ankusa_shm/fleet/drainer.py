@@ -13,9 +13,9 @@ drainer killed at any moment loses nothing, because the next one starts from the
 head (and a batch delivered twice changes nothing: every operation is idempotent). A
 release whose pending claim has certainly expired -- its call was answered more than
 ``pending_ttl_ms`` ago -- is counted and not sent; a promote is never dropped for age,
-since it is the only record in Redis that the hook exists. On SIGTERM it keeps
-delivering for up to ``drain_on_stop_ms`` and exits 0; on SIGINT or SIGQUIT it exits at
-once (what is queued stays in the segment).
+since it is the only record in Redis that the hook exists. On SIGTERM it delivers what
+was queued by then, for up to ``drain_on_stop_ms``, and exits 0; on SIGINT or SIGQUIT it
+exits at once (what is queued stays in the segment).
 
 It also asks Redis, at start and once a minute, whether it may evict keys (a
 ``maxmemory`` with any policy but ``noeviction``: every fleet key has a TTL, so even a
@@ -47,6 +47,7 @@ from ankusa_shm.credentials import MissingSecret, read_secret
 from ankusa_shm.fleet import epoch, repromote
 from ankusa_shm.fleet.redis_client import REFUSED_HINT, RedisError, refused
 from ankusa_shm.fleet.redis_store import Memory, RedisStore
+from ankusa_shm.fleet.seen import Seen
 from ankusa_shm.fleet.settle import UNKNOWN
 from ankusa_shm.shm import procs
 from ankusa_shm.shm.counters import Counter, totals
@@ -95,6 +96,7 @@ class Drainer:
         self._memory_at = 0.0
         self._policy_warned_at: float | None = None
         self._store_path = cfg.store.path
+        self._until = -1  # told to stop: the queue's tail then (``_told``)
         promote = repromote.Repromoter(cfg, store, self._row, self._timeout_s)
         self._epoch = epoch.Epoch(store, seg.blob("epoch"), promote, self._timeout_s)
         self._drops = repromote.Drops(cfg, seg, self._row, promote)
@@ -103,7 +105,11 @@ class Drainer:
         return self._clock() // 1_000_000
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Drain until ``stop`` is set and the queue is empty, or the stop deadline passes."""
+        """Drain until ``stop`` is set and what was queued by then is delivered, or the
+        stop deadline passes. Not until the queue is empty: a drainer replaced on reload
+        stops while the new workers push, and its successor delivers what they push
+        (it waited out ``drain_on_stop_ms`` under load, the reload with it). A service
+        that stops has no worker left to push when its drainer is told."""
         self._queue.become_consumer()
         parent = os.getppid()
         batch: Batch | None = None
@@ -119,17 +125,18 @@ class Drainer:
                     stop.set()  # orphaned: our supervisor is gone
                 if stop.is_set() and deadline is None:
                     deadline = now + self._on_stop_ms
+                    self._told()
                 if deadline is not None and now >= deadline:
                     return
                 if batch is None:
-                    batch, skipped = self._queue.peek(self._batch_max, now)
+                    batch, skipped = self._queue.peek(self._batch_size(), now)
                     if skipped:
                         self._row.add(Counter.SETTLE_ABANDONED, skipped)
                     if batch.corrupt_skipped:
                         self._corrupt(batch.corrupt_skipped)
                 if not batch.records:
                     batch = None
-                    if stop.is_set() and self._queue.depth() == 0:
+                    if deadline is not None and self._queue.head() >= self._until:
                         return
                     await self._idle(stop)
                     continue
@@ -141,6 +148,8 @@ class Drainer:
                     if batch.corrupt:
                         self._corrupt(batch.corrupt)
                     batch, backoff = None, 0.0
+                    if deadline is not None and self._queue.head() >= self._until:
+                        return
                     if not full:
                         await self._pause(self._interval_s, stop)
                     continue
@@ -171,12 +180,16 @@ class Drainer:
     async def _seed(self) -> None:
         """Start a new segment from what the last stop that left every hook settled kept
         in the store (``store.settled``): its epoch, to compare the server's with, and the
-        last hook it covers, after which those stored are promoted again. A mark of other
-        epoch keys (another prefix, a cluster then and not now) is not used."""
+        last hook it covers, after which those stored are promoted again. A mark of
+        another store (another server, another prefix, a cluster then and not now) is
+        not used: what it covers was settled there, not here."""
         mark = await asyncio.to_thread(settled.read, self._store_path)
-        if mark is None or set(mark.epoch) != self._store.epoch_names:
+        if mark is None:
             return
-        if self._epoch.seed(mark.epoch):
+        seen = Seen.of(mark.epoch)
+        if set(seen.values) != self._store.epoch_names or seen.server != self._store.server:
+            return
+        if self._epoch.seed(seen):
             self._drops.settled(mark)
 
     async def check_memory(self) -> None:
@@ -320,7 +333,20 @@ class Drainer:
 
     async def _wake_on(self, stop: asyncio.Event) -> None:
         await stop.wait()
+        self._told()
         self._queue.wake_consumer()
+
+    def _batch_size(self) -> int:
+        """Stopping, none past what was queued when told: the rest is the next one's."""
+        if self._until < 0:
+            return self._batch_max
+        return max(1, min(self._batch_max, self._until - self._queue.head()))
+
+    def _told(self) -> None:
+        """Told to stop: what is queued now is what it delivers. Noted as the stop comes,
+        by ``_wake_on``, not once a delivery under way returns."""
+        if self._until < 0:
+            self._until = self._queue.tail()
 
     @staticmethod
     async def _pause(seconds: float, stop: asyncio.Event) -> None:

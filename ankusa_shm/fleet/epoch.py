@@ -15,6 +15,11 @@ meanwhile still compares with them. A new segment starts with those the last cle
 kept in the store (``seed``, ``store.settled``); without them, a host started on a new
 segment promotes its window anyway (``repromote.Drops``).
 
+The same promote carries this host's window into a fleet store it did not settle into
+before: ``fleet.redis_url`` or ``fleet.key_prefix`` changed, on a reload or a restart. A
+reload replaces the drainer after the workers, so the new workers' first promotes went to
+the old store; and whatever this host stored before is not in the new one.
+
 On a Redis Cluster there is one epoch key in each 64th of the slot space,
 ``<prefix>:epoch:{<tag>}``, so that a node that loses its data alone loses one of them
 too (a node serving fewer than 512 slots in a row may hold none).
@@ -28,6 +33,7 @@ import time
 from ankusa_shm.fleet import repromote
 from ankusa_shm.fleet.redis_client import RedisError
 from ankusa_shm.fleet.redis_store import RedisStore
+from ankusa_shm.fleet.seen import Seen
 from ankusa_shm.shm.blob import Blob
 
 log = logging.getLogger("ankusa_shm.drainer")
@@ -44,33 +50,46 @@ class Epoch:
         self._promote = promote
         self._timeout_s = timeout_s
 
-    def seed(self, values: dict[str, str]) -> bool:
-        """Start from ``values`` (a new segment's, from the store) if nothing was read yet:
-        the first check then compares with them instead of only keeping what it reads.
+    def seed(self, seen: Seen) -> bool:
+        """Start from ``seen`` (a new segment's, from the store) if nothing was read yet:
+        the first check then compares with it instead of only keeping what it reads.
         Whether it did."""
-        if self._blob.read():
+        if Seen.of(self._blob.read()).values:
             return False
-        self._blob.write(values)
+        self._blob.write(seen.doc())
         return True
 
     async def check(self, evicting: bool = False) -> None:
-        """Read the epoch keys; if one changed, promote this host's window again. A server
-        that does not answer is left for the next check, and so is a promote that failed:
-        the new values are kept only once every promote went out. A key not read before
-        (a first check, a key new to this build) is only kept. On a server that
-        ``evicting`` (its policy may evict keys), a changed epoch may be the key evicted,
-        not the data lost, and promoting a whole window into a full server would evict
-        more: it is said, and nothing promoted."""
+        """Read the epoch keys; if one changed, or they are another store's than those
+        read before, promote this host's window (again). A server that does not answer
+        is left for the next check, and so is a promote that failed: the new values are
+        kept only once every promote went out. A key not read before (a first check, a
+        key new to this build) is only kept. On a server that ``evicting`` (its policy
+        may evict keys), a changed epoch may be the key evicted, not the data lost, and
+        promoting a whole window into a full server would evict more: it is said, and
+        nothing promoted."""
         try:
             values = await self._store.epoch(time.monotonic() + self._timeout_s)
         except (TimeoutError, RedisError):
             return
-        seen = self._blob.read()
-        seen = seen if isinstance(seen, dict) else {}
-        current = {**seen, **values}  # a key its server refused this time keeps its value
-        if current == seen:
+        seen = Seen.of(self._blob.read())
+        moved = self._moved(seen)
+        if moved:
+            log.warning(
+                "this host now settles into a fleet store it did not before (%s): "
+                "promoting its hooks in their dedupe window into it",
+                moved,
+            )
+            sent = await self._promote.window()
+            if sent is None:
+                return
+            log.info("promoted %d hooks stored on this host into the new fleet store", sent)
+            self._blob.write(Seen(self._store.server, values).doc())
             return
-        lost = [k for k, v in values.items() if k in seen and seen[k] != v]
+        current = {**seen.values, **values}  # a key its server refused keeps its value
+        if current == seen.values and seen.server == self._store.server:
+            return
+        lost = [k for k, v in values.items() if k in seen.values and seen.values[k] != v]
         if lost and evicting:
             log.warning(
                 "the fleet store's epoch key changed, on a Redis that may evict keys: not "
@@ -81,10 +100,23 @@ class Epoch:
                 "the fleet store lost its data (its epoch key changed%s: a restart without "
                 "persistence, a flush, or a replica's resync); promoting this host's "
                 "hooks in their dedupe window again",
-                f", {lost[0]} among {len(lost)}" if len(seen) > 1 else "",
+                f", {lost[0]} among {len(lost)}" if len(seen.values) > 1 else "",
             )
             sent = await self._promote.window()
             if sent is None:
                 return
             log.info("promoted again %d hooks stored on this host", sent)
-        self._blob.write(current)
+        self._blob.write(Seen(self._store.server, current).doc())
+
+    def _moved(self, seen: Seen) -> str:
+        """Why the store is not the one ``seen`` was read from ("" if it is): another
+        server (``fleet.redis_url`` changed), or other keys (``fleet.key_prefix``). The
+        hooks this host settled into that one are not in this one, and a resend of one
+        to another host on it would be stored again."""
+        if not seen.values:
+            return ""
+        if seen.server and self._store.server and seen.server != self._store.server:
+            return f"{seen.server} before, {self._store.server} now"
+        if self._store.epoch_names.isdisjoint(seen.values):
+            return "its keys have another prefix"
+        return ""

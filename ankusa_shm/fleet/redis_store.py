@@ -88,8 +88,13 @@ class WritesRefused(RedisError):
 
 
 class RedisStore:
-    def __init__(self, client: Client | ClusterClient, prefix: str, cluster: bool) -> None:
+    def __init__(
+        self, client: Client | ClusterClient, prefix: str, cluster: bool, server: str = ""
+    ) -> None:
         self.client = client
+        # Where it is, without credentials: a store this host has not delivered to before
+        # is told by it (``epoch``).
+        self.server = server
         self._prefix = prefix
         # One epoch key, or on a cluster one in each 64th of the slot space, so that every
         # node holds one (``epoch``); the first is the one ``probe`` writes.
@@ -119,7 +124,7 @@ class RedisStore:
             if cfg.cluster
             else Client(ep, stall_s=stall, retry_connect_s=cfg.reconnect_pause_s, scripts=scripts)
         )
-        return cls(client, cfg.key_prefix, cfg.cluster)
+        return cls(client, cfg.key_prefix, cfg.cluster, f"{ep.name}/{ep.db}")
 
     @property
     def epoch_names(self) -> frozenset[str]:

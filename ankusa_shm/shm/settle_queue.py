@@ -271,6 +271,15 @@ class SettleQueue:
         """Operations reserved and not yet consumed."""
         return max(0, self._view.load(self._enq) - self._view.load(self._deq))
 
+    def tail(self) -> int:
+        """The position the next push will take: every operation pushed so far is before
+        it. Once ``head`` reaches it, all of them are consumed."""
+        return self._view.load(self._enq)
+
+    def head(self) -> int:
+        """The position of the next operation to consume."""
+        return self._view.load(self._deq)
+
     # -- the one consumer -----------------------------------------------------------------
 
     def wait_for_records(self, timeout_s: float) -> bool:

@@ -43,7 +43,7 @@ class Settled:
     at_ms: int  # wall clock, for people
     boot: str  # the kernel's boot id: ``mono_ms`` means nothing on another boot
     mono_ms: int
-    epoch: dict[str, str]  # each epoch key's value, as the drainer last read it
+    epoch: dict[str, object]  # the fleet store as the drainer last read it (``fleet.seen``)
 
 
 def boot_id() -> str:
@@ -65,7 +65,7 @@ def read(path: str | Path) -> Settled | None:
         return None
     try:
         doc = json.loads(row[0])
-        epoch = {str(k): str(v) for k, v in doc["epoch"].items()}
+        epoch = dict(doc["epoch"])
         return Settled(
             int(doc["seq"]), int(doc["at_ms"]), str(doc["boot"]), int(doc["mono_ms"]), epoch
         )
@@ -74,7 +74,7 @@ def read(path: str | Path) -> Settled | None:
 
 
 def write(
-    path: str | Path, at_ms: int, mono_ms: int, epoch: dict[str, str], timeout_ms: int
+    path: str | Path, at_ms: int, mono_ms: int, epoch: dict[str, object], timeout_ms: int
 ) -> None:
     """Keep the mark of a stop at ``at_ms`` (and ``mono_ms``) that leaves every hook
     committed so far settled under ``epoch``, synced before this returns. A store that is

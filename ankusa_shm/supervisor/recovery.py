@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ankusa_shm.clock import monotonic_ms, wall_ms
 from ankusa_shm.config import Config
+from ankusa_shm.fleet.seen import Seen
 from ankusa_shm.shm import procs
 from ankusa_shm.shm.counters import Counter, totals
 from ankusa_shm.shm.procs import Role
@@ -94,7 +95,7 @@ def keep_settled(
     if "dedupe" not in cfg.fleet_kinds:
         return
     t = totals(seg.view, seg.layout)
-    epoch = seg.blob("epoch").read()
+    epoch = Seen.of(seg.blob("epoch").read())
     depth = queue.depth()
     owed = [
         why
@@ -108,7 +109,7 @@ def keep_settled(
                 t[Counter.SETTLE_DROPPED] > t[Counter.SETTLE_DROPS_RECOVERED],
             ),
             ("a new segment's promotes not all sent", not queue.mended_ms()),
-            ("the fleet's epoch never read", not (isinstance(epoch, dict) and epoch)),
+            ("the fleet's epoch never read", not epoch.values),
         )
         if yes
     ]
@@ -119,9 +120,10 @@ def keep_settled(
             "; ".join(owed),
         )
         return
-    assert isinstance(epoch, dict)
     try:
-        settled.write(cfg.store.path, wall_ms(), monotonic_ms(), epoch, cfg.store.lock_timeout_ms)
+        settled.write(
+            cfg.store.path, wall_ms(), monotonic_ms(), epoch.doc(), cfg.store.lock_timeout_ms
+        )
     except StoreError as e:
         log.warning("%s", e)
         return
