@@ -104,27 +104,16 @@ def _check_config(file: str | None, list_settings: bool, connect: bool = False) 
 
 def _unreadable_secrets(cfg: config.Config) -> list[str]:
     """Every secret ``serve`` would fail to start on, said without its value."""
-    from ankusa_shm.credentials import MissingSecret, admin_token, read_secret
+    from ankusa_shm import credentials
     from ankusa_shm.http.verify import verifier_for
 
     problems = []
     for source in cfg.sources:
         try:
             verifier_for(source)
-        except MissingSecret as e:
+        except credentials.MissingSecret as e:
             problems.append(str(e))
-    s = cfg.server
-    if s.admin_listen:
-        try:
-            admin_token(s.admin_token_env, s.admin_token_file)
-        except MissingSecret as e:
-            problems.append(f"server.admin_token: {e}")
-    if cfg.fleet_kinds:
-        try:
-            read_secret(cfg.fleet.password_env, cfg.fleet.password_file)
-        except MissingSecret as e:
-            problems.append(f"fleet.password: {e}")
-    return problems
+    return problems + credentials.unreadable(cfg)
 
 
 def _check_redis(cfg: config.Config) -> int:

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ankusa_shm.config import Config
 
 
 class MissingSecret(Exception):
@@ -41,3 +45,24 @@ def admin_token(env: str = "", file: str = "") -> bytes | None:
     if not token:
         raise MissingSecret("it is empty")
     return token.encode()
+
+
+def unreadable(cfg: Config) -> list[str]:
+    """Each of the admin token and the fleet's password that ``cfg`` needs and that
+    cannot be read, said without its value. (A source's secrets are read, and checked,
+    by its verifier.) A reload checks these first: it stops the admin process and the
+    drainer before their successors start, and one that cannot start took the admin
+    API, or the settlements, down until the secret came back."""
+    problems = []
+    s = cfg.server
+    if s.admin_listen:
+        try:
+            admin_token(s.admin_token_env, s.admin_token_file)
+        except MissingSecret as e:
+            problems.append(f"server.admin_token: {e}")
+    if cfg.fleet_kinds:
+        try:
+            read_secret(cfg.fleet.password_env, cfg.fleet.password_file)
+        except MissingSecret as e:
+            problems.append(f"fleet.password: {e}")
+    return problems

@@ -398,6 +398,28 @@ def page_all(svc: Service, query: str, limit: int) -> list[dict[str, Any]]:
         cursor = page["cursor"]
 
 
+def test_a_page_of_big_hooks_ends_at_its_byte_bound_and_pages_on(
+    make: Callable[..., Service],
+) -> None:
+    """Hooks of a MiB each: a page of up to 1000 ends after about 8 MiB of them, its cursor
+    at its last, and paging on from there reads every hook once. A 1000-hook page of them
+    was one answer of a GB, built while the admin process answered no heartbeat: it was
+    aborted, every time the consumer asked again."""
+    svc = make(server={"max_body_bytes": 2 << 20}).start()
+    ids = []
+    for i in range(20):
+        body = json.dumps({"n": i, "pad": "x" * (1 << 20)}).encode()
+        answer = svc.post("demo", body)
+        assert answer.status == 201
+        ids.append(answer.body["id"])
+    status, page = admin_json(svc, "GET", "/v1/hooks?limit=1000")
+    assert status == 200
+    assert 8 <= len(page["hooks"]) <= 9  # up to the bound, and the hook that crosses it
+    assert page["cursor"] == page["hooks"][-1]["seq"]
+    assert [h["id"] for h in page_all(svc, "", limit=1000)] == ids
+    assert [h["id"] for h in page_all(svc, "&source=demo", limit=1000)] == ids
+
+
 def test_consumers_page_ack_resume_after_a_restart_and_long_poll(
     make: Callable[..., Service],
 ) -> None:
@@ -535,6 +557,8 @@ def test_consumers_page_ack_resume_after_a_restart_and_long_poll(
         ("consumer=no%20spaces", "consumer"),
         ("after=1&after=2", "after"),
         ("cursor=3", "cursor"),
+        ("after=3&consumer=c1", "consumer"),
+        ("after=" + "9" * 20, "after"),
     ],
 )
 def test_bad_hooks_queries_name_the_field(svc_once: Service, query: str, field: str) -> None:

@@ -1486,20 +1486,45 @@ def test_a_reload_lets_a_replaced_worker_finish_a_slow_upload(
 def test_a_reload_whose_admin_process_cannot_start_goes_back(
     make: list[Service], tmp_path: Path
 ) -> None:
-    """The new config's admin token is unreadable. The reload used to complete with its
-    workers, before the admin process was even started (the old one still finishing a
-    request), which was then retried for good with /healthz unanswered."""
+    """The new config's admin token is gone by the time its admin process starts (read
+    when the HUP came, removed while the old one still finished a request). The reload
+    used to complete with its workers, before the admin process was even started, which
+    was then retried for good with /healthz unanswered."""
     svc = service(make, tmp_path).start()
     half = socket.create_connection(("127.0.0.1", svc.admin_port), timeout=30)
     half.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # the old admin drains it
-    svc.rewrite(NODE, server={"admin_token_file": str(tmp_path / "no-such-token")})
+    token = tmp_path / "admin-token"
+    token.write_text("s3cret")
+    svc.rewrite(NODE, server={"admin_token_file": str(token)})
     svc.send(signal.SIGHUP)
     time.sleep(1.0)  # the workers replaced meanwhile
+    token.unlink()
     half.close()
     wait_until(lambda: "going back to the previous one" in svc.log(), what="the reload undone")
     assert "reload complete" not in svc.log()
     wait_until(lambda: len(svc.pids("admin")) == 1, what="an admin of the running config")
     assert svc.admin("GET", "/healthz")[0] == 200  # no token asked: the running config's
+    assert svc.post("github", b"{}", signed(b"{}")).status == 201
+
+
+def test_a_reload_whose_admin_token_cannot_be_read_is_refused(
+    make: list[Service], tmp_path: Path
+) -> None:
+    """The token file emptied (a config tool rewriting it) as a HUP comes: the reload is
+    refused, and the admin process keeps serving with the token it has. The old one was
+    stopped first, and the new one, then the previous config's (the same file), could
+    not start: the admin listener accepted and never answered until the file came back."""
+    token = tmp_path / "admin-token"
+    token.write_text("s3cret")
+    svc = service(make, tmp_path, server={"admin_token_file": str(token)}).start()
+    admin = svc.one("admin")
+    bearer = {"authorization": "Bearer s3cret"}
+    token.write_text("")
+    svc.send(signal.SIGHUP)
+    wait_until(lambda: "HUP: server.admin_token: it is empty" in svc.log(), what="refused")
+    assert svc.admin("GET", "/healthz", headers=bearer)[0] == 200
+    assert svc.pids("admin") == [admin]
+    assert "RELOADING=1" not in svc.received_fields()
     assert svc.post("github", b"{}", signed(b"{}")).status == 201
 
 

@@ -37,6 +37,7 @@ MAX_WAIT_S = 60.0
 # commit of any source, one poller on a quiet source took a third of a core.
 FILTERED_EVERY_S = 0.1
 _WHOLE = re.compile(r"^[0-9]{1,18}\Z")
+_WHOLE_MAX = 10**18 - 1
 _SECONDS = re.compile(r"^[0-9]{1,2}(\.[0-9]{1,3})?\Z")
 
 Reply = tuple[int, dict[str, Any] | bytes]  # bytes: a JSON document already encoded
@@ -81,6 +82,8 @@ def parse_query(query: bytes) -> PageQuery:
     problem = None if consumer is None else name_problem(consumer)
     if problem:
         raise BadQuery("consumer", problem)
+    if consumer is not None and after is not None:  # which one would it read after?
+        raise BadQuery("consumer", "give after or consumer, not both")
     return PageQuery(
         after,
         DEFAULT_LIMIT if limit is None else limit,
@@ -96,7 +99,7 @@ def _whole(given: dict[str, str], key: str, lo: int, hi: int | None) -> int | No
         return None
     value = int(text) if _WHOLE.match(text) else -1
     if value < lo or (hi is not None and value > hi):
-        top = "" if hi is None else f" to {hi}"
+        top = f" to {_WHOLE_MAX}" if hi is None else f" to {hi}"
         raise BadQuery(key, f"must be a whole number from {lo}{top}, not {text!r}")
     return value
 
@@ -181,7 +184,8 @@ class ConsumerApi:
             cursor = last  # past the hooks a filtered read walked
             await _until(self._watch.wait(seen, left), gone)
             if q.source is not None:  # most commits are of other sources: read less often
-                await _until(asyncio.sleep(min(FILTERED_EVERY_S, left)), gone)
+                left = deadline - time.monotonic()  # not past ``wait`` for it
+                await _until(asyncio.sleep(max(0.0, min(FILTERED_EVERY_S, left))), gone)
         return 200, f'{{"hooks":[{",".join(docs)}],"cursor":{last}}}'.encode()
 
     async def hook(self, hook_id: str) -> Reply:

@@ -64,6 +64,9 @@ Claimed = tuple[str, str, bytes, str, int]
 tenant, source, event key, hook id, and when its index row expires (wall ms)."""
 
 _RECENT_PAGE = 1_000
+# A consumer's page stops once its hooks come to this much (at least one hook): a thousand
+# hooks of a MiB each made a 2 GB answer that held the admin process past its heartbeat.
+PAGE_BYTES = 8 << 20
 NEWEST = 1 << 62  # a seq above every hook's: ``claimed_page`` from the latest
 _CLAIMED = (
     "SELECT h.seq, h.received_ms, h.tenant, h.source, h.event_key, h.id, d.expires_ms"
@@ -76,6 +79,11 @@ _DOC_HEAD = (
     "seq, json_object('id', id, 'seq', seq, 'tenant', tenant, 'source', source,"
     " 'received_ms', received_ms, 'headers', json(headers)), event_key, body"
 )
+
+
+def _size(row: Any) -> int:
+    """What a row's text and blobs hold, in characters and bytes."""
+    return sum(len(c) for c in row if isinstance(c, str | bytes))
 
 
 def _doc_tail(key: bytes | None, body: bytes) -> str:
@@ -142,13 +150,15 @@ class Reader:
         back short has walked them all, and its cursor is that seq (a filtered read does
         not walk them again). A cursor past it is another store's (this one replaced
         since, or the host's): every hook here is unseen by its reader, who is answered
-        from the start, at least once as ever, rather than after hooks it never read."""
+        from the start, at least once as ever, rather than after hooks it never read.
+        A page also ends once its hooks come to ``PAGE_BYTES``, its cursor at its last."""
         upto = self.last_seq()
         if after_seq > upto:
             after_seq = 0
-        rows = self._after(_DOC_HEAD, after_seq, limit, source, upto)
+        rows = self._after(_DOC_HEAD, after_seq, limit, source, upto, PAGE_BYTES)
         docs = [head[:-1] + _doc_tail(key, body) for _, head, key, body in rows]
-        return docs, rows[-1][0] if len(rows) == limit else upto
+        cut = len(rows) == limit or sum(_size(r) for r in rows) >= PAGE_BYTES
+        return docs, rows[-1][0] if cut else upto
 
     def claimed_since(self, received_ms: int, limit: int = 1 << 62) -> list[Claimed]:
         """(tenant, source, event key, hook id, expires_ms) of every hook received at or
@@ -184,13 +194,15 @@ class Reader:
         limit: int,
         source: str | None,
         upto: int = NEWEST,
+        max_bytes: int | None = None,
     ) -> list[Any]:
         params: list[Any]
         if source is None:
             sql, params = "seq > ? AND seq <= ?", [after_seq, upto, limit]
         else:
             sql, params = "seq > ? AND seq <= ? AND source = ?", [after_seq, upto, source, limit]
-        return self._rows(f"SELECT {columns} FROM hooks WHERE {sql} ORDER BY seq LIMIT ?", params)
+        query = f"SELECT {columns} FROM hooks WHERE {sql} ORDER BY seq LIMIT ?"
+        return self._rows(query, params, max_bytes)
 
     def latest(self, n: int) -> list[StoredHook]:
         """The last ``n`` hooks committed, in commit order."""
@@ -236,7 +248,12 @@ class Reader:
         with self._mutex:
             self._drop()
 
-    def _rows(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+    def _rows(
+        self, sql: str, params: Sequence[Any] = (), max_bytes: int | None = None
+    ) -> list[Any]:
+        """The rows of ``sql``; with ``max_bytes``, only until their text and blobs come to
+        that many bytes, the row that crosses it included (never none but for no rows):
+        read a row at a time, so that no more than that is ever held."""
         with self._mutex:
             if self._conn is not None and not schema.same_files(self.path, self._ids, writer=False):
                 self._drop()  # the file was replaced: read the one at the path now
@@ -245,7 +262,16 @@ class Reader:
                 try:
                     if self._conn is None:
                         self._conn = self._open()
-                    return self._conn.execute(sql, params).fetchall()
+                    rows = self._conn.execute(sql, params)
+                    if max_bytes is None:
+                        return rows.fetchall()
+                    out, size = [], 0
+                    for row in rows:
+                        out.append(row)
+                        size += _size(row)
+                        if size >= max_bytes:
+                            break
+                    return out
                 except (sqlite3.Error, OSError) as e:  # OSError: the path cannot be looked at
                     self._drop()
                     if not again:

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 import setproctitle
 
-from ankusa_shm import child, config, fds, overrides
+from ankusa_shm import child, config, credentials, fds, overrides
 from ankusa_shm.clock import monotonic_ms
 from ankusa_shm.config import Config
 from ankusa_shm.shm import procs, requests, segment
@@ -741,6 +741,9 @@ class Arbiter:
                 "configuration keeps serving",
                 e,
             )
+            return
+        if problems := credentials.unreadable(new):
+            log.error("HUP: %s; the running configuration keeps serving", "; ".join(problems))
             return
         _check_room(new)
         if not new.sources:  # valid, and surely not meant (check-config says the same)
