@@ -1,4 +1,5 @@
-"""The one clock: monotonic, shared by every process on a host, read once per request."""
+"""The clocks: monotonic, shared by every process on a host, for every pause and deadline;
+and the wall clock, for what is kept (a hook's receipt) or said to people."""
 
 from __future__ import annotations
 

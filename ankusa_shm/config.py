@@ -26,8 +26,7 @@ from typing import Any, Literal
 
 from ankusa_shm.limits import Limit
 from ankusa_shm.redis_url import parse_url
-from ankusa_shm.shm.layout import MAX_NAME
-from ankusa_shm.shm.requests import OVERFLOW_LABEL
+from ankusa_shm.shm.layout import MAX_NAME, OVERFLOW_LABEL
 
 Scope = Literal["node", "fleet"]
 ADMIN_BACKLOG = 128  # the admin listener's: a few local clients, or a load balancer
@@ -328,8 +327,8 @@ class Fleet:
         5_000, "On SIGTERM, how long the drainer keeps delivering.", between(0, 600_000)
     )
 
-    # Derived pauses: every time limit the fleet code uses that is not a setting is
-    # computed here, from the settings it follows, and nowhere else.
+    # Derived pauses: the time limits of the fleet's calls that are not settings are
+    # computed here, from the settings they follow.
 
     @property
     def call_deadline_s(self) -> float:

@@ -60,9 +60,16 @@ def unreadable(cfg: Config) -> list[str]:
             admin_token(s.admin_token_env, s.admin_token_file)
         except MissingSecret as e:
             problems.append(f"server.admin_token: {e}")
-    if cfg.fleet_kinds:
-        try:
-            read_secret(cfg.fleet.password_env, cfg.fleet.password_file)
-        except MissingSecret as e:
-            problems.append(f"fleet.password: {e}")
+    try:
+        fleet_password(cfg)
+    except MissingSecret as e:
+        problems.append(f"fleet.password: {e}")
     return problems
+
+
+def fleet_password(cfg: Config) -> str:
+    """The fleet's Redis password; "" where no scope is fleet: none is read then, so a
+    node-scope config's password setting, left from a fleet one, stops nothing."""
+    if not cfg.fleet_kinds:
+        return ""
+    return read_secret(cfg.fleet.password_env, cfg.fleet.password_file)

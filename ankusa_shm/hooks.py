@@ -71,6 +71,11 @@ class NotStored:
 
 CommitResult = Committed | AlreadyStored | NotStored
 
+Claimed = tuple[str, str, bytes, str, int]
+"""A stored keyed hook that holds its key in the dedupe index, as the store lists those a
+crash may have left unsettled: tenant, source, event key, hook id, and when its index row
+expires (wall ms)."""
+
 
 _RANDOM_MASK = ~(0xF << 76 | 0x3 << 62)  # every random bit but the version and variant's
 _VERSION_7 = 0x7 << 76 | 0x2 << 62  # version 7, RFC 9562 variant 0b10

@@ -22,7 +22,7 @@ from ankusa_shm import overrides
 from ankusa_shm.child import BootError, Life, freeze_heap
 from ankusa_shm.clock import wall_ms
 from ankusa_shm.config import Config
-from ankusa_shm.credentials import MissingSecret, read_secret
+from ankusa_shm.credentials import MissingSecret, fleet_password
 from ankusa_shm.fleet.admission import Fleet
 from ankusa_shm.fleet.redis_store import RedisStore
 from ankusa_shm.http.observe import Observer
@@ -115,7 +115,7 @@ class Worker:
                 observer.transaction(hooks, waited_ns, held_ns)
 
         try:
-            password = read_secret(cfg.fleet.password_env, cfg.fleet.password_file)
+            password = fleet_password(cfg)
         except MissingSecret as e:
             raise BootError(str(e)) from None
         store = RedisStore.from_config(cfg.fleet, password) if cfg.fleet_kinds else None

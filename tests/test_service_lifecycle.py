@@ -1507,6 +1507,17 @@ def test_a_reload_whose_admin_process_cannot_start_goes_back(
     assert svc.post("github", b"{}", signed(b"{}")).status == 201
 
 
+def test_a_node_scope_config_reads_no_fleet_password(make: list[Service], tmp_path: Path) -> None:
+    """A fleet password setting left in a node-scope config names a secret nothing needs:
+    check-config passed it, and every worker, the admin process too, then failed to boot
+    on it."""
+    rest = NODE + '[fleet]\npassword_env = "ANKUSA_TEST_NOT_SET"\n'
+    svc = service(make, tmp_path, rest).start()
+    assert svc.post("github", b"{}", signed(b"{}")).status == 201
+    assert svc.admin("GET", "/healthz")[0] == 200
+    assert svc.stop() == 0
+
+
 def test_a_reload_whose_admin_token_cannot_be_read_is_refused(
     make: list[Service], tmp_path: Path
 ) -> None:

@@ -25,7 +25,7 @@ from ankusa_shm.admin.stores import StoreCalls
 from ankusa_shm.child import BootError, Life, freeze_heap
 from ankusa_shm.clock import wall_ms
 from ankusa_shm.config import Config
-from ankusa_shm.credentials import MissingSecret, admin_token, read_secret
+from ankusa_shm.credentials import MissingSecret, admin_token, fleet_password
 from ankusa_shm.fleet.admission import Fleet
 from ankusa_shm.fleet.redis_store import RedisStore
 from ankusa_shm.http.protocol import HttpServer, Limits
@@ -50,7 +50,7 @@ def main(
     except MissingSecret as e:
         raise BootError(f"admin token: {e}") from None
     try:
-        password = read_secret(cfg.fleet.password_env, cfg.fleet.password_file)
+        password = fleet_password(cfg)
     except MissingSecret as e:
         raise BootError(str(e)) from None
     status: int = uvloop.run(_serve(cfg, seg, slot, sock, ready, token, password))

@@ -1,6 +1,7 @@
 """Fleet-scoped admission: one tenant limit and one dedupe window for N hosts.
 
-``admit`` is the request path's one entry. With both scopes ``node`` it is this host's
+``admit`` is the request path's way in (then ``settle`` or ``refund`` once the store has
+answered). With both scopes ``node`` it is this host's
 GCRA table and nothing else. With a fleet scope it makes exactly one store call per hook
 (sent once more only if its connection drops under it: ``redis_store``), carrying the
 tenant's charge and the dedupe claim together, under the hard budget ``fleet.timeout_ms``.
@@ -17,7 +18,7 @@ no-op costs nothing. A hook admitted while the breaker is open made no call and 
 nothing, but once stored its promote (sent when Redis answers again) puts it in the
 fleet's dedupe window all the same. Settling is a push onto the settle queue in the
 segment (``settle.Settler``); the drainer process delivers it. Nothing here takes a lock
-or sends a message to another process.
+or waits for another process (a push wakes an asleep drainer, and goes on).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from ankusa_shm.fleet import redis_store
 from ankusa_shm.fleet.redis_client import REFUSED_HINT, RedisError, refused
 from ankusa_shm.fleet.redis_store import RedisStore, WritesRefused
 from ankusa_shm.fleet.settle import NO_TOKEN, Claim, Settler, stored_claims
-from ankusa_shm.hooks import CommitResult, Envelope
+from ankusa_shm.hooks import Claimed, CommitResult, Envelope
 from ankusa_shm.limits import Limit
 from ankusa_shm.shm.breaker import Breaker, Permit, Policy
 from ankusa_shm.shm.counters import Counter
@@ -44,7 +45,6 @@ from ankusa_shm.shm.histograms import Histogram, HistogramRow
 from ankusa_shm.shm.procs import ProcessSlot
 from ankusa_shm.shm.segment import Segment
 from ankusa_shm.shm.settle_queue import SettleQueue
-from ankusa_shm.store.readers import Claimed
 
 log = logging.getLogger("ankusa_shm.fleet")
 

@@ -43,7 +43,7 @@ import uvloop
 from ankusa_shm.child import QUEUE_TAKEN, BootError
 from ankusa_shm.clock import Clock, monotonic_ns
 from ankusa_shm.config import Config
-from ankusa_shm.credentials import MissingSecret, read_secret
+from ankusa_shm.credentials import MissingSecret, fleet_password
 from ankusa_shm.fleet import epoch, repromote
 from ankusa_shm.fleet.redis_client import REFUSED_HINT, RedisError, refused
 from ankusa_shm.fleet.redis_store import Memory, RedisStore
@@ -367,7 +367,7 @@ def main(
     """The drainer's life in its slot: drain until SIGTERM (then empty the queue, up to
     ``drain_on_stop_ms``) or SIGINT/SIGQUIT (stop now; the queue keeps what it holds)."""
     try:
-        password = read_secret(cfg.fleet.password_env, cfg.fleet.password_file)
+        password = fleet_password(cfg)
     except MissingSecret as e:
         raise BootError(str(e)) from None
     store = RedisStore.from_config(cfg.fleet, password, stall_s=cfg.fleet.drainer_stall_s)

@@ -7,7 +7,7 @@ abandons its future: the reply still arrives, is read, and is dropped, so a late
 never be taken by the next caller (the failure behind redis-py's CVE-2023-28858/28859 is
 a pooled request/response connection reused with a reply still on the wire; here nothing
 is ever reused out of order). A connection whose oldest request has waited longer than
-``stall_ms`` is closed and every waiter failed, so a hung server cannot pile up work.
+``stall_s`` is closed and every waiter failed, so a hung server cannot pile up work.
 
 A caller's budget is a deadline handed down with its request, not an ``asyncio.timeout``
 around it: each connection keeps one timer, armed for the earliest deadline among its

@@ -27,6 +27,7 @@ from ankusa_shm.config import Config
 from ankusa_shm.fleet.redis_client import RedisError
 from ankusa_shm.fleet.redis_store import RedisStore
 from ankusa_shm.fleet.settle import stored_claims
+from ankusa_shm.hooks import Claimed
 from ankusa_shm.shm.counters import Counter, CounterRow, totals
 from ankusa_shm.shm.segment import Segment
 from ankusa_shm.shm.settle_queue import Op, Record, SettleQueue
@@ -92,7 +93,7 @@ class Repromoter:
             sent += sent_now
         return sent
 
-    async def _send(self, hooks: list[readers.Claimed], sent: int) -> int | None:
+    async def _send(self, hooks: list[Claimed], sent: int) -> int | None:
         """One page's promotes, paced; how many, or None if a call failed."""
         wall_ms, now_ms = clock.wall_ms(), clock.monotonic_ms()
         records = [

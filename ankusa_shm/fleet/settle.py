@@ -17,10 +17,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ankusa_shm.clock import Clock
-from ankusa_shm.hooks import AlreadyStored, CommitResult, Committed
+from ankusa_shm.hooks import AlreadyStored, Claimed, CommitResult, Committed
 from ankusa_shm.shm.counters import Counter, CounterRow
 from ankusa_shm.shm.settle_queue import Op, Pushed, Record, RecordTooLarge, SettleQueue
-from ankusa_shm.store.readers import Claimed
 
 log = logging.getLogger("ankusa_shm.fleet")
 

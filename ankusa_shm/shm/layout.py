@@ -34,11 +34,12 @@ it), a length word, then the bytes. A reader copies the bytes between two loads 
 generation and keeps them only if both were the same even number.
 
 Who writes what. The supervisor writes the header, config and sources, and overrides at
-start; after that the admin process alone writes overrides, and the drainer alone writes
-epoch. Any process that claims a process slot writes that slot and adds to its counter
-row, the breaker, the degraded flags, the GCRA table and the queue's enqueue side. Only
-the drainer (the queue's single consumer, named by its pid) advances the dequeue side and
-writes ``Q_MENDED_MS``. Readers write nothing.
+start, and on a segment it made ``Q_FIRST_SEQ``; after that the admin process alone
+writes overrides, and the drainer alone writes epoch. Any process that claims a process
+slot writes that slot and adds to its counter row, the breaker, the degraded flags, the
+GCRA table and the queue's enqueue side. Only the drainer (the queue's single consumer,
+named by its pid) advances the dequeue side and writes ``Q_MENDED_MS``. Readers write
+nothing.
 
 Memory ordering. Every word is a naturally aligned signed 64-bit integer touched only
 through ``_atomics`` (sequentially consistent load/store/fetch-add/compare-and-swap). Byte
@@ -131,6 +132,7 @@ CONFIG_BYTES = BLOB_BYTES["config"]
 # A process slot's row: SOURCE_ROWS rows of one word per status column (``requests``
 # says which). Row 0 counts requests that named no source, row 1 sources past the table.
 SOURCE_ROWS = 64
+OVERFLOW_LABEL = "_overflow"  # row 1's source label, which no source may have (``config``)
 
 # -- store ----------------------------------------------------------------------------------
 ST_COMMITS = 0  # store transactions committed, by every writer of this host

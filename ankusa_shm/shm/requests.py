@@ -30,16 +30,13 @@ def status_label(column: int) -> str:
     return str(STATUSES[column]) if column < len(STATUSES) else "other"
 
 
-OVERFLOW_LABEL = "_overflow"  # no source may have it (``config``)
-
-
 def row_label(names: list[str], row: int) -> str:
-    """The source label of a row: "" for unrouted requests, ``OVERFLOW_LABEL`` past the
+    """The source label of a row: "" for unrouted requests, ``L.OVERFLOW_LABEL`` past the
     table."""
     if row == UNROUTED:
         return ""
     if row == OVERFLOW:
-        return OVERFLOW_LABEL
+        return L.OVERFLOW_LABEL
     return names[row - FIRST_SOURCE_ROW]
 
 

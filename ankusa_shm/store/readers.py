@@ -1,4 +1,5 @@
-"""Read-only queries over the hook store, for tests, tools and the consumer API.
+"""Read-only queries over the hook store: for the consumer API, the crash recovery and
+the drainer's promotes again, tools and tests.
 
 Every query is one statement on a ``mode=ro`` connection, read to its end: one short read
 transaction in WAL mode, which never blocks a writer and which a writer never blocks. The
@@ -19,7 +20,7 @@ from json.encoder import encode_basestring_ascii as _json_str
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ankusa_shm.hooks import Headers
+from ankusa_shm.hooks import Claimed, Headers
 from ankusa_shm.store import schema
 from ankusa_shm.store.schema import StoreError
 
@@ -58,10 +59,6 @@ class StoredHook:
             doc["body"] = body
         return doc
 
-
-Claimed = tuple[str, str, bytes, str, int]
-"""A keyed hook that holds its key in the dedupe index, as ``claimed_since`` lists it:
-tenant, source, event key, hook id, and when its index row expires (wall ms)."""
 
 _RECENT_PAGE = 1_000
 # A consumer's page stops once its hooks come to this much (at least one hook): a thousand

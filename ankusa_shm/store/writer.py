@@ -96,7 +96,7 @@ _SWEEP = (
 
 @dataclass(slots=True)
 class WriterStats:
-    """What the writer has done, for tests and metrics. The thread updates each figure
+    """What the writer has done, for tests and the store benchmark. The thread updates each figure
     alone (``expired`` under the queue's mutex); a reader may see one a moment late."""
 
     batches: int = 0  # transactions that wrote hooks

@@ -671,7 +671,8 @@ class Arbiter:
         )
 
     def _report(self, now: float) -> None:
-        """READY=1 once every worker serves; WATCHDOG=1 while any does. A worker that
+        """READY=1 once every worker serves (and the drainer, with a fleet scope);
+        WATCHDOG=1 while any does. A worker that
         cannot start again while another serves is retried here, and a restart by the
         watchdog would only swap a host that serves for one that stops at its first
         start; a hung supervisor, or no worker serving, still goes without pings."""
