@@ -11,7 +11,10 @@ the Redis connection, listening sockets, pipes.
 from __future__ import annotations
 
 import contextlib
+import logging
 import resource
+
+log = logging.getLogger("ankusa_shm.supervisor")  # said as it starts, or reloads
 
 RESERVE = 64
 
@@ -32,3 +35,16 @@ def connection_cap(configured: int) -> int:
     if soft == resource.RLIM_INFINITY:
         return configured
     return max(1, min(configured, soft - RESERVE))
+
+
+def say_if_short(wanted: int) -> None:
+    """Warn if the open-file limit holds the workers under ``wanted`` connections each
+    (``server.max_connections``)."""
+    cap = connection_cap(wanted)
+    if cap < wanted:
+        log.warning(
+            "the open-file limit leaves room for %d client connections per worker, not "
+            "server.max_connections = %d: raise it (LimitNOFILE= in the unit, ulimit -n)",
+            cap,
+            wanted,
+        )

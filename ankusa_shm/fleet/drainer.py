@@ -126,8 +126,10 @@ class Drainer:
                 if stop.is_set() and deadline is None:
                     deadline = now + self._on_stop_ms
                     self._told()
-                if deadline is not None and now >= deadline:
-                    return
+                if deadline is not None and (
+                    now >= deadline or (batch is None and self._queue.head() >= self._until)
+                ):
+                    return  # stopping: past its deadline, or all it was told to deliver is
                 if batch is None:
                     batch, skipped = self._queue.peek(self._batch_size(), now)
                     if skipped:
@@ -136,8 +138,6 @@ class Drainer:
                         self._corrupt(batch.corrupt_skipped)
                 if not batch.records:
                     batch = None
-                    if deadline is not None and self._queue.head() >= self._until:
-                        return
                     await self._idle(stop)
                     continue
                 delivered = await self._deliver(batch, now, deadline)
@@ -148,8 +148,6 @@ class Drainer:
                     if batch.corrupt:
                         self._corrupt(batch.corrupt)
                     batch, backoff = None, 0.0
-                    if deadline is not None and self._queue.head() >= self._until:
-                        return
                     if not full:
                         await self._pause(self._interval_s, stop)
                     continue

@@ -31,7 +31,6 @@ A reaped child's process slot is freed here: a child never gives it back itself.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import enum
 import errno
 import logging
@@ -45,7 +44,7 @@ from dataclasses import dataclass, field
 
 import setproctitle
 
-from ankusa_shm import child, config, credentials, fds, overrides
+from ankusa_shm import child, config, fds, overrides
 from ankusa_shm.clock import monotonic_ms
 from ankusa_shm.config import Config
 from ankusa_shm.shm import procs, requests, segment
@@ -53,7 +52,7 @@ from ankusa_shm.shm.procs import Role
 from ankusa_shm.shm.segment import Segment, make_params
 from ankusa_shm.shm.settle_queue import SettleQueue
 from ankusa_shm.store import schema
-from ankusa_shm.supervisor import recovery
+from ankusa_shm.supervisor import recovery, reload
 from ankusa_shm.supervisor import sockets as socks
 from ankusa_shm.supervisor.notify import Notifier
 
@@ -165,7 +164,7 @@ class Arbiter:
         began_ns = time.time_ns()
         signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED)
         fds.raise_limit()  # before any fork: every child inherits it
-        _check_room(cfg)
+        fds.say_if_short(cfg.server.max_connections)
         try:
             # The sockets before the segment: a second service started on the same ports
             # stops here, before it has touched the segment of the one running.
@@ -718,39 +717,10 @@ class Arbiter:
         if self.config_path is None:
             log.info("HUP: running on embedded defaults; nothing to re-read")
             return
-        try:
-            new = config.load(self.config_path)
-        except config.ConfigError as e:
-            log.error("HUP: %s; the running configuration keeps serving", e)
-            return
-        new = _keep_restart_only(self.cfg, new)
         assert self._seg is not None
-        ring = self._seg.layout.params.queue_capacity
-        if new.settle_capacity > ring:  # a fleet scope on a service started without one
-            log.warning(
-                "HUP: a fleet scope on a service started without one: its settle queue holds "
-                "%d operations until the next restart gives it fleet.settle_queue_size (%d); "
-                "what it drops meanwhile is promoted again from the store",
-                ring,
-                new.settle_capacity,
-            )
-        try:  # e.g. a token dropped while the kept admin address is not loopback
-            config.check(new)
-        except config.ConfigError as e:
-            log.error(
-                "HUP: %s (with the settings kept until a restart); the running "
-                "configuration keeps serving",
-                e,
-            )
+        new = reload.read(self.config_path, self.cfg, self._seg.layout.params.queue_capacity)
+        if new is None:
             return
-        if problems := credentials.unreadable(new):
-            log.error("HUP: %s; the running configuration keeps serving", "; ".join(problems))
-            return
-        _check_room(new)
-        if not new.sources:  # valid, and surely not meant (check-config says the same)
-            log.warning(
-                "HUP: no [[sources]] in %s: every hook will be answered 404", self.config_path
-            )
         if self._announced_ready:  # before the first READY=1, systemd has nothing to reload
             self.notifier.send("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
         signalled = self._target if self._target != _worker_count(self.cfg) else None
@@ -833,46 +803,9 @@ def _free_lane(workers: list[Child], target: int) -> int:
     return next(i for i in range(target + len(taken) + 1) if i not in taken)
 
 
-def _check_room(cfg: Config) -> None:
-    """Say so if the open-file limit holds the workers under ``server.max_connections``."""
-    wanted = cfg.server.max_connections
-    cap = fds.connection_cap(wanted)
-    if cap < wanted:
-        log.warning(
-            "the open-file limit leaves room for %d client connections per worker, not "
-            "server.max_connections = %d: raise it (LimitNOFILE= in the unit, ulimit -n)",
-            cap,
-            wanted,
-        )
-
-
 def _worker_count(cfg: Config) -> int:
+    """``server.workers``, or one per CPU this process may run on."""
     return cfg.server.workers or len(os.sched_getaffinity(0))
-
-
-def _keep_restart_only(old: Config, new: Config) -> Config:
-    """What a running service cannot change -- the segment and its sizes, the listening
-    addresses, the store's file -- is carried over from ``old``, with a warning naming it.
-    (Workers replaced one at a time would write two stores at once, the admin process read
-    only the new one, and its cursors start again at 1.)"""
-    server = dataclasses.replace(
-        new.server,
-        segment=old.server.segment,
-        listen=old.server.listen,
-        admin_listen=old.server.admin_listen,
-    )
-    fleet = dataclasses.replace(new.fleet, settle_queue_size=old.fleet.settle_queue_size)
-    store = dataclasses.replace(new.store, path=old.store.path)
-    for name, before, after in (
-        ("server.segment", old.server.segment, new.server.segment),
-        ("server.listen", old.server.listen, new.server.listen),
-        ("server.admin_listen", old.server.admin_listen, new.server.admin_listen),
-        ("fleet.settle_queue_size", old.fleet.settle_queue_size, new.fleet.settle_queue_size),
-        ("store.path", old.store.file, new.store.file),
-    ):
-        if before != after:
-            log.warning("HUP: %s changed; it takes effect at the next restart", name)
-    return dataclasses.replace(new, server=server, fleet=fleet, store=store)
 
 
 def _of_this_store(seg: Segment, cfg: Config) -> Segment:
