@@ -6,6 +6,7 @@ replica. Also: the project's own hash slot agrees with the server's ``CLUSTER KE
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import shutil
@@ -500,6 +501,38 @@ def test_epoch_keys_lie_one_in_each_64th_of_the_slots() -> None:
     tags = hash_slot.spread_tags(64)
     assert sorted(hash_slot.key_slot(t.encode()) // 256 for t in tags) == list(range(64))
     assert hash_slot.spread_tags(64) == tags  # every host computes the same keys
+
+
+def test_a_cluster_named_by_another_of_its_nodes_is_the_same_store(
+    cluster: RedisCluster, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Any node names a cluster: a drainer given another of its nodes (a config's seed node
+    changed) finds the epoch values it read and promotes nothing, where a host moved to
+    another store promotes its whole window into it."""
+    other = next(n for n in cluster.nodes if n.url != cluster.url)
+    with segments(1) as (seg,):
+        raw = fleet_raw(cluster.url, bare(seg), cluster=True)
+        raw["store"] = {"path": str(tmp_path / "hooks.db")}
+        cfg = config.parse(raw, "cluster-seed")
+        moved = dataclasses.replace(cfg.fleet, redis_url=other.url)
+
+        async def body() -> None:
+            slot = procs.claim(seg.view, seg.layout, procs.Role.DRAINER)
+            try:
+                for fleet in (cfg.fleet, moved):
+                    store = RedisStore.from_config(fleet)
+                    promote = Repromoter(cfg, store, slot.counters, 5.0)
+                    try:
+                        await Epoch(store, seg.blob("epoch"), promote, 5.0).check()
+                    finally:
+                        await store.close()
+            finally:
+                slot.release()
+
+        with caplog.at_level(logging.WARNING, logger="ankusa_shm.drainer"):
+            run(body())
+        assert totals(seg)[Counter.REPROMOTED] == 0
+    assert caplog.text == ""
 
 
 def test_a_node_that_lost_its_data_alone_gets_this_hosts_hooks_again(

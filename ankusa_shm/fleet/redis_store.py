@@ -92,8 +92,8 @@ class RedisStore:
         self, client: Client | ClusterClient, prefix: str, cluster: bool, server: str = ""
     ) -> None:
         self.client = client
-        # Where it is, without credentials: a store this host has not delivered to before
-        # is told by it (``epoch``).
+        # Where it is, without credentials ("" on a cluster): a store this host has not
+        # delivered to before is told by it (``epoch``).
         self.server = server
         self._prefix = prefix
         # One epoch key, or on a cluster one in each 64th of the slot space, so that every
@@ -124,7 +124,9 @@ class RedisStore:
             if cfg.cluster
             else Client(ep, stall_s=stall, retry_connect_s=cfg.reconnect_pause_s, scripts=scripts)
         )
-        return cls(client, cfg.key_prefix, cfg.cluster, f"{ep.name}/{ep.db}")
+        # A cluster is named by any of its nodes: told apart by its epoch values alone.
+        server = "" if cfg.cluster else f"{ep.name}/{ep.db}"
+        return cls(client, cfg.key_prefix, cfg.cluster, server)
 
     @property
     def epoch_names(self) -> frozenset[str]:
