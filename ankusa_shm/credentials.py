@@ -72,4 +72,10 @@ def fleet_password(cfg: Config) -> str:
     node-scope config's password setting, left from a fleet one, stops nothing."""
     if not cfg.fleet_kinds:
         return ""
-    return read_secret(cfg.fleet.password_env, cfg.fleet.password_file)
+    env, file = cfg.fleet.password_env, cfg.fleet.password_file
+    password = read_secret(env, file)
+    if (env or file) and not password:  # named, so meant: an empty one is a file half written
+        raise MissingSecret(
+            f"{f'environment variable {env}' if env else f'secret file {file}'} is empty"
+        )
+    return password

@@ -45,13 +45,14 @@ from ankusa_shm.config import Config, Source
 from ankusa_shm.fleet.admission import Admitted, Fleet
 from ankusa_shm.fleet.drainer import Drainer
 from ankusa_shm.fleet.redis_store import RedisStore
-from ankusa_shm.hooks import Envelope
+from ankusa_shm.hooks import Committed, Envelope, NewHook
 from ankusa_shm.shm import counters, procs
 from ankusa_shm.shm import layout as L
 from ankusa_shm.shm import segment as segmod
 from ankusa_shm.shm.counters import Counter
 from ankusa_shm.shm.procs import Role
 from ankusa_shm.shm.segment import Segment
+from ankusa_shm.store.writer import Writer
 
 T = TypeVar("T")
 
@@ -516,3 +517,12 @@ def committed_values(client: redis.Redis, keys: Sequence[bytes]) -> list[bytes |
             assert v is None or isinstance(v, bytes)
             values.append(v)
     return values
+
+
+async def store_hooks(cfg: Config, hooks: list[NewHook]) -> None:
+    """Commit ``hooks`` to ``cfg``'s store, as a worker's writer does."""
+    writer = Writer(cfg.store)
+    writer.start(asyncio.get_running_loop())
+    for h in hooks:
+        assert await writer.commit(h) == Committed(h.id)
+    await writer.close()

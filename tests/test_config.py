@@ -290,6 +290,17 @@ def test_check_config_command(tmp_path: Path) -> None:
     assert f"source a: cannot read secret file {tmp_path / 'none'}" in gone.stderr
     assert "server.admin_token: environment variable NO_SUCH_TOKEN is not set" in gone.stderr
 
+    # A fleet password file named and empty (half written) is a secret missing, not none.
+    (tmp_path / "redis.pass").write_text("\n")
+    fleet = (
+        f"[rate_limits]\nscope = 'fleet'\n[fleet]\npassword_file = '{tmp_path / 'redis.pass'}'\n"
+    )
+    empty_password = check_config(write(tmp_path, fleet, "fleet.toml"))
+    assert empty_password.returncode == 2
+    assert (
+        f"fleet.password: secret file {tmp_path / 'redis.pass'} is empty" in empty_password.stderr
+    )
+
     empty = check_config(write(tmp_path, "", "empty.toml"))  # valid, and surely not meant
     assert empty.returncode == 0 and "ok (0 sources" in empty.stdout
     assert "no [[sources]]: every hook will be answered 404" in empty.stderr

@@ -4,6 +4,7 @@ away, drops what has certainly expired, drains on SIGTERM; and the metrics it fe
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -34,7 +35,9 @@ from fleet_helpers import (
     reset_stats,
     run,
     segments,
+    source_id,
     stopped,
+    store_hooks,
     totals,
     wait_until,
     write_config,
@@ -51,7 +54,7 @@ from ankusa_shm.fleet.epoch import Epoch
 from ankusa_shm.fleet.redis_store import RedisStore
 from ankusa_shm.fleet.repromote import Repromoter
 from ankusa_shm.fleet.seen import Seen
-from ankusa_shm.hooks import AlreadyStored, Committed, NotStored
+from ankusa_shm.hooks import AlreadyStored, Committed, NewHook, NotStored
 from ankusa_shm.shm import layout as L
 from ankusa_shm.shm import procs, settle_queue
 from ankusa_shm.shm.counters import Counter
@@ -664,6 +667,57 @@ def test_deliveries_that_work_again_say_what_a_full_queue_dropped_meanwhile(
         again = [m for m in lines if "works again" in m]
         assert len(again) == 1, lines
         assert "5 operations dropped for a full queue meanwhile" in again[0]
+
+
+def test_a_move_not_yet_promoted_for_is_owed_whichever_store_comes_next(
+    redis_server: RedisServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A reload onto B, and back onto A before B's drainer promoted the window into B:
+    what it settled into B meanwhile has no key in A. B's drainer says, before its first
+    delivery, that a window is owed; A's drainer then promotes it into A. Before, the
+    segment still named A (written only once B's promote was done): A's drainer saw no
+    move, and a resend of those hooks to another host on A was stored again."""
+    other = RedisServer()
+    with segments(1) as (seg,):
+        raw = fleet_raw(redis_server.url, bare(seg))
+        raw["store"] = {"path": str(tmp_path / "hooks.db")}
+        cfg_a = config.parse(raw, "move-a")
+        cfg_b = dataclasses.replace(
+            cfg_a, fleet=dataclasses.replace(cfg_a.fleet, redis_url=other.url)
+        )
+        wall = int(time.time() * 1000)
+        hooks = [
+            NewHook(f"hook-{i}", TENANT, source_id(TENANT), f"k{i}".encode(), 600, wall, (), b"{}")
+            for i in range(5)
+        ]
+
+        async def body() -> None:
+            await store_hooks(cfg_a, hooks)
+            slot = procs.claim(seg.view, seg.layout, Role.DRAINER)
+            try:
+                for cfg, checked in ((cfg_a, True), (cfg_b, False), (cfg_a, True)):
+                    store = RedisStore.from_config(cfg.fleet)
+                    promote = Repromoter(cfg, store, slot.counters, 5.0)
+                    watch = Epoch(store, seg.blob("epoch"), promote, 5.0)
+                    try:
+                        watch.claim()
+                        if checked:  # B's drainer is stopped before its first check
+                            await watch.check()
+                    finally:
+                        await store.close()
+            finally:
+                slot.release()
+
+        try:
+            with caplog.at_level(logging.WARNING, logger="ankusa_shm.drainer"):
+                run(body())
+        finally:
+            other.close()
+        assert totals(seg)[Counter.REPROMOTED] == len(hooks)
+    assert "its promote after a move not done yet" in caplog.text
+    with redis_server.client() as r:
+        values = committed_values(r, [dd_key(f"k{i}") for i in range(5)])
+    assert values == [committed(i) for i in range(5)]
 
 
 def test_a_changed_epoch_is_promoted_for_only_when_the_server_does_not_evict(

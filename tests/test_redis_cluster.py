@@ -34,6 +34,7 @@ from fleet_helpers import (
     run,
     segments,
     stopped,
+    store_hooks,
     total,
     totals,
 )
@@ -59,7 +60,6 @@ from ankusa_shm.fleet.repromote import Repromoter
 from ankusa_shm.hooks import Committed, NewHook, NotStored
 from ankusa_shm.shm import procs
 from ankusa_shm.shm.counters import Counter
-from ankusa_shm.store.writer import Writer
 
 Addr = tuple[str, int]
 
@@ -556,11 +556,7 @@ def test_a_node_that_lost_its_data_alone_gets_this_hosts_hooks_again(
         ]
 
         async def body() -> None:
-            writer = Writer(cfg.store)
-            writer.start(asyncio.get_running_loop())
-            for h in hooks:
-                assert await writer.commit(h) == Committed(h.id)
-            await writer.close()
+            await store_hooks(cfg, hooks)
             store = RedisStore.from_config(cfg.fleet)
             slot = procs.claim(seg.view, seg.layout, procs.Role.DRAINER)
             promote = Repromoter(cfg, store, slot.counters, 5.0)

@@ -115,6 +115,9 @@ class Drainer:
         batch: Batch | None = None
         backoff = 0.0
         deadline: int | None = None
+        if not self._queue.mended_ms():  # a new segment: before the first epoch check
+            await self._seed()
+        self._epoch.claim()  # before the first delivery
         waker = asyncio.get_running_loop().create_task(self._wake_on(stop))
         watcher = asyncio.get_running_loop().create_task(self._watch(stop))
         try:
@@ -163,8 +166,6 @@ class Drainer:
     async def _watch(self, stop: asyncio.Event) -> None:
         """Beside the deliveries: the server's epoch and the queue's drops every
         ``epoch.CHECK_S``, the server's memory every ``MEMORY_CHECK_S``."""
-        if not self._queue.mended_ms():  # a new segment: before the first epoch check
-            await self._seed()
         memory_at = -MEMORY_CHECK_S
         while not stop.is_set():
             if time.monotonic() - memory_at >= MEMORY_CHECK_S:
@@ -362,8 +363,8 @@ class Drainer:
 def main(
     cfg: Config, seg: Segment, slot: ProcessSlot, ready: Callable[[], None] = lambda: None
 ) -> int:
-    """The drainer's life in its slot: drain until SIGTERM (then empty the queue, up to
-    ``drain_on_stop_ms``) or SIGINT/SIGQUIT (stop now; the queue keeps what it holds)."""
+    """The drainer's life in its slot: drain until SIGTERM (then deliver what is queued, up
+    to ``drain_on_stop_ms``) or SIGINT/SIGQUIT (stop now; the queue keeps what it holds)."""
     try:
         password = fleet_password(cfg)
     except MissingSecret as e:

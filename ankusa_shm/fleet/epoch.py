@@ -54,10 +54,22 @@ class Epoch:
         """Start from ``seen`` (a new segment's, from the store) if nothing was read yet:
         the first check then compares with it instead of only keeping what it reads.
         Whether it did."""
-        if Seen.of(self._blob.read()).values:
+        current = Seen.of(self._blob.read())
+        if current.values or current.owed:
             return False
         self._blob.write(seen.doc())
         return True
+
+    def claim(self) -> None:
+        """Before the first delivery: if this is a store the host has not settled into
+        before, say so in the segment at once, as owing it the window. The promote of the
+        window comes with the next check and takes a while (a second for 40,000 hooks):
+        a drainer stopped before it is done (a reload back, a kill) left the segment
+        naming the old store, and the next one, on the old store again, took the hooks
+        settled into this one meanwhile for settled there."""
+        seen = Seen.of(self._blob.read())
+        if not seen.owed and self._moved(seen):  # one owed already is owed to this one too
+            self._blob.write(Seen(self._store.server, {}, owed=True).doc())
 
     async def check(self, evicting: bool = False) -> None:
         """Read the epoch keys; if one changed, or they are another store's than those
@@ -73,7 +85,7 @@ class Epoch:
         except (TimeoutError, RedisError):
             return
         seen = Seen.of(self._blob.read())
-        moved = self._moved(seen)
+        moved = "its promote after a move not done yet" if seen.owed else self._moved(seen)
         if moved:
             log.warning(
                 "this host now settles into a fleet store it did not before (%s): "
@@ -84,7 +96,7 @@ class Epoch:
             if sent is None:
                 return
             log.info("promoted %d hooks stored on this host into the new fleet store", sent)
-            self._blob.write(Seen(self._store.server, values).doc())
+            self._blob.write(Seen(self._store.server, values).doc())  # owed no more
             return
         current = {**seen.values, **values}  # a key its server refused keeps its value
         if current == seen.values and seen.server == self._store.server:

@@ -16,9 +16,13 @@ from dataclasses import dataclass
 class Seen:
     server: str  # ``RedisStore.server``; "" where an older build kept none
     values: dict[str, str]  # each epoch key's value
+    # A drainer began settling into a store the host had not settled into before, and the
+    # promote of its window there is not done: the next check promotes it, whichever
+    # store that drainer settles into (``epoch.Epoch.claim``).
+    owed: bool = False
 
     def doc(self) -> dict[str, object]:
-        return {"server": self.server, "values": self.values}
+        return {"server": self.server, "values": self.values, "owed": self.owed}
 
     @classmethod
     def of(cls, doc: object) -> Seen:
@@ -27,5 +31,6 @@ class Seen:
             return cls("", {})
         values = doc.get("values")
         if isinstance(values, dict):
-            return cls(str(doc.get("server", "")), {str(k): str(v) for k, v in values.items()})
+            values = {str(k): str(v) for k, v in values.items()}
+            return cls(str(doc.get("server", "")), values, doc.get("owed") is True)
         return cls("", {str(k): str(v) for k, v in doc.items()})

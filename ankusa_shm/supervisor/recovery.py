@@ -110,6 +110,7 @@ def keep_settled(
             ),
             ("a new segment's promotes not all sent", not queue.mended_ms()),
             ("the fleet's epoch never read", not epoch.values),
+            ("a move to another fleet store not yet promoted for", epoch.owed),
         )
         if yes
     ]
