@@ -567,6 +567,7 @@ def test_a_new_segments_drainer_promotes_again_only_what_was_stored_before_it(
     drainer_looked(svc)
     assert counter(svc, Counter.REPROMOTED) == 0
     assert "a new segment" not in svc.log()
+    assert "cannot read the store" not in svc.log()  # nor reads a store its workers make
     assert svc.stop() == 0
 
 

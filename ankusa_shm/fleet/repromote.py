@@ -74,8 +74,10 @@ class Repromoter:
         at most ``PROMOTES_PER_S``, counted in ``fleet_repromoted``. How many were sent;
         None if the store could not be read or a call failed (said in the log), to be
         tried again later."""
-        # No store yet: a first start whose workers have not created it.
-        if not self._dedupe or not Path(self._path).exists():
+        # No store yet (a first start whose workers have not created it), or nothing below
+        # the first seq: a new segment made on an empty store, whose tables its workers
+        # may still be creating.
+        if not self._dedupe or before_seq == 1 or not Path(self._path).exists():
             return 0
         sent = 0
         below: int | None = before_seq or readers.NEWEST
