@@ -721,6 +721,36 @@ def test_a_reload_onto_another_redis_carries_the_hosts_window_into_it(
         other.close()
 
 
+def test_a_reload_away_from_a_redis_that_does_not_answer_waits_for_nothing(
+    make: list[Service], tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """The old Redis stopped (SIGSTOP), a HUP onto another under load: the old drainer is
+    stopped at once, what it held goes to the new store with the host's window, and the
+    reload completes. It delivered into the old one until drain_on_stop_ms (a minute
+    here), with no drainer delivering anywhere meanwhile."""
+    svc = service(make, tmp_path, fleet_config(redis_server, "drain_on_stop_ms = 60000\n")).start()
+    other = RedisServer()
+    try:
+        with Load(svc.port, threads=2) as load:
+            time.sleep(0.5)
+            redis_server.stop_signal()
+            try:
+                svc.rewrite(fleet_config(other, "drain_on_stop_ms = 60000\n"))
+                svc.send(signal.SIGHUP)
+                wait_until(lambda: "reload complete" in svc.log(), what="the reload", timeout=20)
+                time.sleep(0.5)
+            finally:
+                redis_server.cont_signal()
+        accepted = dict(load.tally.accepted)
+        assert len(accepted) > 20
+        r = other.client()
+        wait_until(lambda: not _committed_in(r, "ankusa", accepted), what="all in the new store")
+        assert "drainer" in svc.log() and "stopping: the fleet store was replaced" in svc.log()
+        assert svc.stop() == 0
+    finally:
+        other.close()
+
+
 @pytest.mark.parametrize("segment", ["kept", "new"])
 def test_a_restart_onto_another_redis_carries_the_hosts_window_into_it(
     make: list[Service], tmp_path: Path, redis_server: RedisServer, segment: str

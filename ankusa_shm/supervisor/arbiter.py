@@ -515,11 +515,11 @@ class Arbiter:
             if c.kind is Kind.WORKER and c.ready and not c.retiring and c.abort_sent is None
         ]
 
-    def _retire(self, c: Child, why: str) -> None:
+    def _retire(self, c: Child, why: str, sig: int = signal.SIGTERM) -> None:
         if not c.retiring:
             c.retired_at = time.monotonic()
             log.info("%s %d stopping: %s", c.kind.value, c.pid, why)
-            _kill(c.pid, signal.SIGTERM)
+            _kill(c.pid, sig)
 
     def _keep_running(self, now: float) -> None:
         """Start what is missing; replace old-generation children one at a time."""
@@ -556,7 +556,12 @@ class Arbiter:
         for d in drainers:
             stale = d.cfg is not self.cfg or not want_drainer
             if stale and not d.retiring and not old:  # after the workers, whose settles it drains
-                self._retire(d, "its configuration was replaced")
+                if want_drainer and _other_fleet_store(d.cfg, self.cfg):
+                    # What it holds goes to the new store, its window with it (``epoch``):
+                    # no waiting out drain_on_stop_ms on an old one that may not answer.
+                    self._retire(d, "the fleet store was replaced", signal.SIGINT)
+                else:
+                    self._retire(d, "its configuration was replaced")
         d_b = self._backoff[Kind.DRAINER]
         if (
             want_drainer
@@ -801,6 +806,12 @@ def _free_lane(workers: list[Child], target: int) -> int:
     """The first lane none of ``workers`` accepts on."""
     taken = {c.lane for c in workers}
     return next(i for i in range(target + len(taken) + 1) if i not in taken)
+
+
+def _other_fleet_store(old: Config, new: Config) -> bool:
+    """Whether ``new`` settles into another Redis, or under another prefix, than ``old``."""
+    a, b = old.fleet, new.fleet
+    return (a.redis_url, a.cluster, a.key_prefix) != (b.redis_url, b.cluster, b.key_prefix)
 
 
 def _worker_count(cfg: Config) -> int:
