@@ -389,14 +389,17 @@ def test_sigterm_delivers_what_was_queued_then_and_exits_zero(
 
         run(queue_up())
         queue = SettleQueue(seg.view, seg.buf, seg.layout)
+        wake_word = seg.layout.offset("queue") + L.Q_WAKE
         with drainer_process(cfg_file, tmp_path / "drainer.log") as drainer:
             with stopped(redis_server.pid):  # the drainer holds its batch, unanswered
                 wait_until(
                     lambda: totals(seg)[Counter.DRAIN_ROUND_TRIPS] >= 1,
                     "the drainer to send its batch",
                 )
+                woken = seg.view.load(wake_word)
                 drainer.signal(signal.SIGTERM)
-                time.sleep(0.2)  # it has seen the stop
+                # it noted the stop, then woke itself (a push would wake only a sleeper)
+                wait_until(lambda: seg.view.load(wake_word) > woken, "the stop noted")
                 assert drainer.proc.poll() is None
                 assert seg.queue_depth() == 10
                 for i in range(10, 10 + after):

@@ -683,6 +683,19 @@ def _committed_in(r: redis.Redis, prefix: str, accepted: dict[str, str]) -> list
     return [d for (d, h), v in zip(accepted.items(), held, strict=True) if v != f"c:{h}".encode()]
 
 
+def _all_in(server: RedisServer, prefix: str, accepted: dict[str, str]) -> None:
+    """Wait for every accepted hook to be committed in ``server`` under ``prefix``."""
+    r = server.client()
+    wait_until(lambda: not _committed_in(r, prefix, accepted), what="all in the new store")
+
+
+def _as_replica(primary: RedisServer, other: RedisServer) -> None:
+    """Give ``other`` the epoch ``primary`` holds, as a replica of it has."""
+    epoch = primary.client().get("ankusa:epoch")
+    assert epoch is not None
+    other.client().set("ankusa:epoch", epoch)
+
+
 @pytest.mark.parametrize("move", ["server", "server and prefix"])
 def test_a_reload_onto_another_redis_carries_the_hosts_window_into_it(
     make: list[Service], tmp_path: Path, redis_server: RedisServer, move: str
@@ -699,11 +712,9 @@ def test_a_reload_onto_another_redis_carries_the_hosts_window_into_it(
     svc = service(make, tmp_path, fleet_config(redis_server, "drain_on_stop_ms = 60000\n")).start()
     other = RedisServer()
     try:
-        if prefix == "ankusa":  # a replica's epoch is its primary's
+        if prefix == "ankusa":
             drainer_looked(svc)
-            epoch = redis_server.client().get("ankusa:epoch")
-            assert epoch is not None
-            other.client().set("ankusa:epoch", epoch)
+            _as_replica(redis_server, other)
         with Load(svc.port, threads=2) as load:
             time.sleep(0.5)
             extra = f'key_prefix = "{prefix}"\ndrain_on_stop_ms = 60000\n'
@@ -713,8 +724,7 @@ def test_a_reload_onto_another_redis_carries_the_hosts_window_into_it(
             time.sleep(0.5)
         accepted = dict(load.tally.accepted)
         assert len(accepted) > 20
-        r = other.client()
-        wait_until(lambda: not _committed_in(r, prefix, accepted), what="all in the new store")
+        _all_in(other, prefix, accepted)
         assert "settles into a fleet store it did not before" in svc.log()
         assert svc.stop() == 0
     finally:
@@ -743,9 +753,8 @@ def test_a_reload_away_from_a_redis_that_does_not_answer_waits_for_nothing(
                 redis_server.cont_signal()
         accepted = dict(load.tally.accepted)
         assert len(accepted) > 20
-        r = other.client()
-        wait_until(lambda: not _committed_in(r, "ankusa", accepted), what="all in the new store")
-        assert "drainer" in svc.log() and "stopping: the fleet store was replaced" in svc.log()
+        _all_in(other, "ankusa", accepted)
+        assert "stopping: the fleet store was replaced" in svc.log()
         assert svc.stop() == 0
     finally:
         other.close()
@@ -766,15 +775,12 @@ def test_a_restart_onto_another_redis_carries_the_hosts_window_into_it(
     assert settled.read(svc.store_path) is not None
     other = RedisServer()
     try:
-        epoch = redis_server.client().get("ankusa:epoch")
-        assert epoch is not None
-        other.client().set("ankusa:epoch", epoch)
+        _as_replica(redis_server, other)
         if segment == "new":
             segmod.unlink(svc.segment)  # as a reboot does
         svc.rewrite(fleet_config(other))
         svc.start()
-        r = other.client()
-        wait_until(lambda: not _committed_in(r, "ankusa", accepted), what="all in the new store")
+        _all_in(other, "ankusa", accepted)
         assert svc.stop() == 0
     finally:
         other.close()

@@ -269,7 +269,7 @@ class SettleQueue:
 
     def depth(self) -> int:
         """Operations reserved and not yet consumed."""
-        return max(0, self._view.load(self._enq) - self._view.load(self._deq))
+        return max(0, self.tail() - self.head())
 
     def tail(self) -> int:
         """The position the next push will take: every operation pushed so far is before
