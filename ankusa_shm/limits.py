@@ -39,7 +39,7 @@ class Limit:
             raise ValueError(f"rate {rate} is above the supported 1000000 hooks per second")
         if interval * burst > MAX_SPAN_US:
             raise ValueError(
-                f"rate {rate} with burst {burst} spans {interval * burst} us, "
+                f"burst {burst} at rate {rate} spans {interval * burst} us, "
                 f"more than the supported {MAX_SPAN_US} us (about 2.2 years)"
             )
         return cls(interval, burst)

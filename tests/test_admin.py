@@ -350,6 +350,7 @@ def test_an_override_of_a_tenant_no_source_names_any_more_can_be_seen_and_delete
         ({"rate": 1, "burst": "x"}, "burst"),
         ({"rate": 1, "burst": 0}, "burst"),
         ({"rate": 1e-12, "burst": 1}, "rate"),  # one interval beyond the GCRA's span
+        ({"rate": 0.001, "burst": 10**8}, "burst"),  # the burst's span beyond it
         ({"rate": 1, "burst": 2, "extra": 1}, "extra"),
         ({"rate": 1}, "burst"),
     ],
@@ -365,7 +366,7 @@ def test_a_bad_override_is_refused_naming_its_field(
 
 def test_override_requests_that_are_not_json_or_name_no_tenant(svc_once: Service) -> None:
     path = "/v1/tenants/demo/rate-limit"
-    deep = b"[" * 100_000 + b"]" * 100_000  # deeper than json's recursion: not a 500
+    deep = b"[" * 30_000 + b"]" * 30_000  # deeper than json's recursion: not a 500
     for raw in (b"not json", b"[1, 2]", b"\xff", deep):
         assert admin_json(svc_once, "PUT", path, raw) == (400, {"error": "invalid_json"})
     assert admin_json(svc_once, "POST", "/v1/consumers/c1/ack", deep) == (
@@ -519,7 +520,8 @@ def test_consumers_page_ack_resume_after_a_restart_and_long_poll(
         t0 = time.monotonic()
         with socket.create_connection(("127.0.0.1", svc.admin_port), timeout=10) as s:
             s.sendall(
-                f"GET /v1/hooks?after={page['cursor']}&wait=30 HTTP/1.1\r\nhost: x\r\n\r\n".encode()
+                f"GET /v1/hooks?after={page['cursor']}&wait=30 HTTP/1.1\r\n"
+                "host: localhost\r\n\r\n".encode()
             )
             time.sleep(0.2)
             s.shutdown(socket.SHUT_WR)
@@ -607,6 +609,41 @@ def test_an_unreadable_token_stops_the_service(make: Callable[..., Service]) -> 
     assert log.count("admin ") < 10  # no respawn loop
 
 
+def test_without_a_token_a_browser_cannot_be_made_to_ask(svc_once: Service) -> None:
+    """A page elsewhere can make a browser POST to 127.0.0.1 (and move a consumer's cursor,
+    after which retention deletes hooks it never read), or rebind its own name to
+    127.0.0.1 and read the hooks. Without a token, the other Host or Origin is refused."""
+    ack = json.dumps({"cursor": 0}).encode()
+    for headers in (
+        {"host": "attacker.example:9180"},  # a rebound name
+        {"host": "127.0.0.1.attacker.example"},
+        {"origin": "http://attacker.example"},  # a cross-site form's POST
+        {"origin": "null"},  # a sandboxed frame's
+        {"origin": "http://localhost:3000"},  # another local site
+    ):
+        for method, path, body in (
+            ("GET", "/v1/hooks", None),
+            ("POST", "/v1/consumers/victim/ack", ack),
+        ):
+            status, _, raw = svc_once.admin(method, path, body=body, headers=headers)
+            assert (status, json.loads(raw)["error"]) == (403, "not_local"), (headers, path)
+    assert svc_once.admin("GET", "/v1/consumers/victim")[0] == 404  # no ack was taken
+    port = svc_once.admin_port
+    for headers in (
+        {},  # 127.0.0.1:<port>, as curl or Prometheus send it
+        {"host": f"localhost:{port}"},
+        {"host": f"[::1]:{port}"},
+        {"host": f"127.0.0.1:{port}", "origin": f"http://127.0.0.1:{port}"},  # its own page
+    ):
+        assert svc_once.admin("GET", "/v1/hooks", headers=headers)[0] == 200, headers
+
+
+def test_an_admin_body_is_bounded_whatever_max_body_bytes(svc_once: Service) -> None:
+    """Its bodies are a few bytes of JSON; a client may not make it hold a hook's worth."""
+    status, _, raw = svc_once.admin("PUT", "/v1/tenants/demo/rate-limit", body=b" " * 70_000)
+    assert (status, json.loads(raw)) == (413, {"error": "too_large"})
+
+
 def test_the_token_is_required_when_configured(make: Callable[..., Service]) -> None:
     port = free_port()
     svc = make(
@@ -622,6 +659,8 @@ def test_the_token_is_required_when_configured(make: Callable[..., Service]) -> 
     assert svc.admin("GET", "/nowhere")[0] == 401  # before routing: nothing is revealed
     good = {"authorization": "Bearer t0ken-for-tests"}
     assert admin_json(svc, "GET", "/healthz", headers=good) == (200, {"status": "ok"})
+    named = {**good, "host": "edge-7.example:9180", "origin": "https://ops.example"}
+    assert svc.admin("GET", "/healthz", headers=named)[0] == 200  # the token decides
     assert svc.admin("GET", "/metrics", headers=good)[0] == 200
 
 

@@ -94,6 +94,23 @@ def test_at_the_cap_a_new_connection_closes_the_longest_idle_one(svc: Service) -
             s.close()
 
 
+def test_blank_lines_between_requests_leave_a_connection_idle(svc: Service) -> None:
+    """A client may send CRLFs before a request (RFC 9112 2.2); they begin none. Counted
+    as a request begun, eight such clients held every place and each new one was shed."""
+    idle = opened(svc, 8)
+    try:
+        for s in idle:
+            s.sendall(b"\r\n")
+        time.sleep(0.2)
+        assert post(svc) == 201
+        assert closed_by_server(idle[0], 2.0)  # the longest idle, CRLF or not
+        assert not any(closed_by_server(s, 0.1) for s in idle[1:])
+        assert shed(svc, "idle") == 1 and shed(svc, "new") == 0
+    finally:
+        for s in idle:
+            s.close()
+
+
 def test_at_the_cap_with_none_idle_the_new_connection_is_closed(svc: Service) -> None:
     head = b"POST /hooks/demo HTTP/1.1\r\nhost: x\r\ncontent-length: 8\r\n\r\n"
     busy = opened(svc, 8)

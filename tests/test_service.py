@@ -292,6 +292,41 @@ def test_an_http_1_0_request_may_leave_host_out(svc: Service) -> None:
     assert readers.count(svc.store_path) == 1
 
 
+def test_http_1_0_is_kept_alive_only_when_asked_and_told_so(svc: Service) -> None:
+    """An HTTP/1.0 client closes unless the answer says the connection stays open."""
+    body = b'{"old":true}'
+    fields = "".join(f"{k}: {v}\r\n" for k, v in signed(body, "kept-1.0").items())
+    head = f"POST /hooks/github HTTP/1.0\r\nconnection: keep-alive\r\n{fields}"
+    kept = f"{head}content-length: {len(body)}\r\n\r\n".encode() + body
+    last = b"GET /hooks/github HTTP/1.0\r\n\r\n"
+    out = raw(svc, kept + last)
+    first, _, second = out.partition(b"HTTP/1.1 405 ")
+    assert first.startswith(b"HTTP/1.1 201 ") and b"connection: keep-alive\r\n" in first, out
+    assert second and b"connection: close\r\n" in second, out
+
+
+def test_http_1_0_with_a_transfer_coding_and_other_versions_are_refused(svc: Service) -> None:
+    """HTTP/1.0 has no chunked framing: a 1.0 proxy in front would take the chunks for
+    requests of their own (RFC 9112 6.1). HTTP/2 and later over this socket are 505, the
+    bare request line of 0.9 is 400; each closes the connection unread."""
+    body = b'{"chunks":true}'
+    fields = "".join(f"{k}: {v}\r\n" for k, v in signed(body, "chunked-1.0").items())
+    chunked = (
+        f"POST /hooks/github HTTP/1.0\r\nconnection: keep-alive\r\n{fields}"
+        "transfer-encoding: chunked\r\n\r\n"
+    ).encode() + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    after = signed_request(b'{"after":1}', "after-refusal", "connection: close\r\n")
+    out = raw(svc, chunked + after)
+    assert statuses(out) == [400] and out.endswith(b'{"error":"bad_request"}'), out
+    two = f"POST /hooks/github HTTP/2.0\r\ncontent-length: {len(body)}\r\n{fields}\r\n"
+    out = raw(svc, two.encode() + body + after)
+    assert statuses(out) == [505], out
+    assert out.endswith(b'{"error":"http_version_not_supported"}'), out
+    out = raw(svc, b"POST /hooks/github\r\n\r\n" + after)
+    assert statuses(out) == [400], out
+    assert readers.count(svc.store_path) == 0
+
+
 def test_headers_over_the_limit_get_431(svc: Service) -> None:
     flood = b"".join(b"x-pad-%d: %s\r\n" % (i, b"v" * 1000) for i in range(80))  # ~80 KiB
     out = raw(svc, b"POST /hooks/github HTTP/1.1\r\nhost: x\r\n" + flood + b"\r\n")

@@ -1529,7 +1529,7 @@ def test_a_reload_whose_admin_process_cannot_start_goes_back(
     was then retried for good with /healthz unanswered."""
     svc = service(make, tmp_path).start()
     half = socket.create_connection(("127.0.0.1", svc.admin_port), timeout=30)
-    half.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # the old admin drains it
+    half.sendall(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n")  # the old admin drains it
     token = tmp_path / "admin-token"
     token.write_text("s3cret")
     svc.rewrite(NODE, server={"admin_token_file": str(token)})

@@ -1,5 +1,11 @@
 """The admin API's routes, behind one bearer token when the config names one.
 
+Without a token (only on loopback) the API answers only what a browser cannot have been
+made to send: a loopback ``Host`` (a DNS-rebound name reaching 127.0.0.1 is refused, so a
+web page cannot read hooks through it) and no ``Origin`` but its own (a page elsewhere
+cannot move a consumer's cursor with a form's POST). Curl, Prometheus and health agents
+send neither.
+
 JSON everywhere but ``/metrics``. Health and readiness are for load balancers and
 orchestrators; the tenant routes change a tenant's rate limit at run time (stored, then
 published to every worker through the segment); the consumer routes are in
@@ -11,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import json
 import logging
 import time
@@ -41,8 +48,35 @@ def reply(status: int, doc: dict[str, Any], *headers: tuple[bytes, bytes]) -> Re
     return Response(status, json.dumps(doc, separators=(",", ":")).encode(), headers)
 
 
+NOT_LOCAL = (
+    "without an admin token, only requests to a loopback host (localhost, 127.0.0.1, [::1])"
+    " and from no other origin are answered"
+)
+
+
 def _header(req: Request, name: str) -> str:
     return next((v for k, v in req.headers if k == name), "")
+
+
+def _local(req: Request) -> bool:
+    """Sent to this listener by a local client, not by a browser for another site."""
+    host = _header(req, "host")
+    origin = _header(req, "origin")
+    return _loopback(host) and (not origin or origin.lower() == f"http://{host}".lower())
+
+
+def _loopback(host: str) -> bool:
+    """``host`` (a Host field: a name or address, then maybe a port) names this machine's
+    loopback. An HTTP/1.0 request may have none: it cannot have been rebound."""
+    if not host:
+        return True
+    name = host[1:].partition("]")[0] if host.startswith("[") else host.rpartition(":")[0] or host
+    if name.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 class StoreProbe:
@@ -112,7 +146,10 @@ class App:
         ]
 
     async def __call__(self, req: Request) -> Response:
-        if self._token is not None and not self._authorized(req):
+        if self._token is None:
+            if not _local(req):
+                return reply(403, {"error": "not_local", "detail": NOT_LOCAL})
+        elif not self._authorized(req):
             return reply(401, {"error": "unauthorized"}, (b"www-authenticate", b"Bearer"))
         found = self._route(req.path)
         if found is None:

@@ -12,6 +12,7 @@ flight finish (a long-poll is answered at once); SIGINT/SIGQUIT: the same withou
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from ankusa_shm.store.schema import StoreError
 
 log = logging.getLogger("ankusa_shm.admin")
 
+BODY_BYTES = 64 * 1024  # an admin body is a few bytes of JSON: any client, token or not
 RETAIN_BATCH = 500
 RETAIN_PAUSE_S = 0.01  # between two batches: the writers' turn on the lock
 
@@ -73,7 +75,8 @@ async def _serve(
     await asyncio.to_thread(overrides.publish_stored, seg.blob("overrides"), cfg.store.path)
     watch = CommitWatch(CommitWord(seg.view, seg.layout))
     app = App(cfg, seg, fleet, store, ConsumerApi(store, watch), token)
-    server = HttpServer(app, Limits.of(cfg.server), counters=slot.counters)
+    limits = dataclasses.replace(Limits.of(cfg.server), max_body_bytes=BODY_BYTES)
+    server = HttpServer(app, limits, counters=slot.counters)
     await server.start([sock], config.ADMIN_BACKLOG)
 
     life = Life(slot)

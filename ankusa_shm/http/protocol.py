@@ -10,7 +10,8 @@ Limits: a request line plus headers larger than ``max_header_bytes`` is 431;
 a body larger than ``max_body_bytes`` is 413 as soon as the ``Content-Length`` (or the
 chunks seen so far) says so, without reading the rest; a transfer coding other than
 chunked is 501; bytes that do not parse are 400, and so is a request with more than one
-``Host`` field or a malformed one, or an HTTP/1.1 request with none. Each ends the
+``Host`` field or a malformed one, an HTTP/1.1 request with none, or an HTTP/1.0 one with
+a transfer coding; HTTP/2 and later are 505. Each ends the
 connection: nothing more is read, and the requests queued before it are answered first,
 in order (a client pairs answers with requests by their order, RFC 9112 9.3.2); none is
 cancelled, since a hook being handled may already be committed. Deadlines (headers,
@@ -138,6 +139,18 @@ def _check_coding(coding: str) -> None:
         raise _Reject(501, "not_implemented")
 
 
+def _check_version(version: str, coding: str) -> None:
+    """A request of a version other than 1.1: 1.0 is served, without chunked bodies, a
+    major version above 1 is 505, and 0.9's request line (no version: the parser calls it
+    0.9) or a 1.x we do not know is 400. HTTP/1.0 has no Transfer-Encoding: a 1.0 proxy
+    in front that ignores it would read the chunks as requests of their own, so its
+    framing is faulty (RFC 9112 6.1)."""
+    if version.partition(".")[0] not in ("0", "1"):
+        raise _Reject(505, "http_version_not_supported")
+    if version != "1.0" or coding:
+        raise _Reject(400, "bad_request")
+
+
 # A Host field's value (RFC 9112 3.2, RFC 3986 3.2.2): an IP literal in brackets or a
 # registered name or IPv4 address (possibly empty), then an optional port. An HTTP/1.1
 # request without one, or with two, is 400: a proxy in front may have routed it by another.
@@ -151,14 +164,22 @@ def error_body(error: str) -> bytes:
     return b'{"error":"' + error.encode() + b'"}'
 
 
-def encode(resp: Response, keep_alive: bool, head: bool = False) -> bytes:
-    """The answer's bytes; to a HEAD request, without its body (RFC 9110 9.3.2)."""
+# What an answer says of its connection: kept open to HTTP/1.1 by default, to HTTP/1.0 only
+# when the answer says so (RFC 9112 9.3), or closed.
+KEEP = b""
+KEEP_HTTP10 = b"connection: keep-alive\r\n"
+CLOSE = b"connection: close\r\n"
+
+
+def encode(resp: Response, connection: bytes, head: bool = False) -> bytes:
+    """The answer's bytes, with ``connection`` (KEEP, KEEP_HTTP10 or CLOSE); to a HEAD
+    request, without its body (RFC 9110 9.3.2)."""
     extra = b"".join([name + b": " + value + b"\r\n" for name, value in resp.headers])
     return b"%scontent-type: %s\r\ncontent-length: %d\r\n%s%s\r\n%s" % (
         _STATUS_LINES[resp.status],
         resp.content_type,
         len(resp.body),
-        b"" if keep_alive else b"connection: close\r\n",
+        connection,
         extra,
         b"" if head else resp.body,
     )
@@ -175,7 +196,7 @@ class Connection(asyncio.Protocol):
         self._limits = server.limits
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
-        self._pipeline: deque[tuple[Request, bool]] = deque()
+        self._pipeline: deque[tuple[Request, bytes]] = deque()  # and its KEEP or CLOSE
         self._task: asyncio.Task[None] | None = None
         self._can_write = asyncio.Event()
         self._can_write.set()
@@ -198,8 +219,9 @@ class Connection(asyncio.Protocol):
         self._header_bytes = 0
         self._expect_continue = False  # its 100 Continue waits for earlier answers
         self._host = ""  # the last Host value found good: a kept-alive client repeats it
-        self._body: list[bytes] = []
-        self._body_bytes = 0
+        # One buffer, not a list of the parser's pieces: a chunked body of 2-byte chunks
+        # made a 48-byte object for every 2 bytes, 28 times max_body_bytes a connection.
+        self._body = bytearray()
         self._deadline = 0.0  # monotonic seconds; 0 when none applies
         self._deadline_error = ""
         self._write_deadline = 0.0  # while answers wait unsent: when the client is dropped
@@ -227,11 +249,15 @@ class Connection(asyncio.Protocol):
         # for it, and it holds its place under ``max_connections``.
         self._pipeline.clear()
         self._held = b""
+        # Freed now, not when a collection finds this connection (it and its parser refer
+        # to each other): a client's abandoned bodies would otherwise pile up.
+        self._body = bytearray()
+        self._raw_headers = []
+        self._headers = []
         if self._task is None:
             self._server.connections.discard(self)
 
     def data_received(self, data: bytes) -> None:
-        self._server.idle.pop(self, None)  # not idle: may not be closed to make room
         self._parse(self._held + data if self._held else data)
 
     def _parse(self, data: bytes) -> None:
@@ -322,14 +348,16 @@ class Connection(asyncio.Protocol):
     # inlined rather than called (a method call costs about what the rest of one does).
 
     def on_message_begin(self) -> None:
+        # Not idle from a request's first byte, not from any byte: the CRLFs a client may
+        # send between requests would keep it from being closed to make room.
+        self._server.idle.pop(self, None)
         self._in_request = True
         self._started_ns = now_ns = time.monotonic_ns()
         self._url = b""
         self._raw_headers = []
         self._header_bytes = 0
         self._expect_continue = False
-        self._body = []
-        self._body_bytes = 0
+        self._body = bytearray()
         self._deadline = now_ns / 1e9 + self._limits.header_timeout_s
         self._deadline_error = "header_timeout"
 
@@ -377,7 +405,10 @@ class Connection(asyncio.Protocol):
             elif key == "transfer-encoding":
                 coding = f"{coding},{text}" if coding else text
         parser = self._parser
-        if not hosts and parser.get_http_version() == "1.1":
+        version = parser.get_http_version()
+        if version != "1.1":
+            _check_version(version, coding)
+        elif not hosts:
             raise _Reject(400, "bad_host")
         if coding and coding.lower() != "chunked":
             _check_coding(coding)
@@ -385,7 +416,7 @@ class Connection(asyncio.Protocol):
         # HTTP/1.0, which cannot know it (RFC 9110 10.1.1); not ahead of the answers owed
         # before it; to a request that asks to upgrade, when it is parsed again without.
         self._deadline_error = "body_timeout"
-        asks = expect and parser.get_http_version() == "1.1" and not parser.should_upgrade()
+        asks = expect and version == "1.1" and not parser.should_upgrade()
         if not asks:
             self._deadline = time.monotonic() + self._limits.body_timeout_s
         elif self._task is None:
@@ -395,23 +426,26 @@ class Connection(asyncio.Protocol):
             self._deadline = 0.0
 
     def on_body(self, body: bytes) -> None:
-        self._body_bytes += len(body)
-        if self._body_bytes > self._limits.max_body_bytes:
+        if len(self._body) + len(body) > self._limits.max_body_bytes:
             raise _Reject(413, "too_large")
-        self._body.append(body)
+        self._body += body
 
     def on_message_complete(self) -> None:
         path, _, query = self._url.partition(b"?")
         if path[:1] != b"/":
             path = _origin_path(path)
-        body = b"".join(self._body)
+        body = bytes(self._body)
         method, started = self._parser.get_method(), self._started_ns
         req = Request(method, path, self._headers, body, query, started, self.hung_up)
         self._in_request = False
         self._deadline = 0.0
-        keep_alive = self._parser.should_keep_alive()
-        self._pipeline.append((req, keep_alive))
-        if not keep_alive:
+        parser = self._parser
+        if not parser.should_keep_alive():
+            connection = CLOSE
+        else:
+            connection = KEEP if parser.get_http_version() == "1.1" else KEEP_HTTP10
+        self._pipeline.append((req, connection))
+        if connection is CLOSE:
             self._closing = True  # its answer is the last: nothing after it is read
         if len(self._pipeline) >= PIPELINE_DEPTH:
             self._pause_reading()
@@ -426,7 +460,7 @@ class Connection(asyncio.Protocol):
         observe = self._server.observe
         try:
             while self._pipeline and self._transport is not None:
-                req, keep_alive = self._pipeline.popleft()
+                req, connection = self._pipeline.popleft()
                 if len(self._pipeline) < PIPELINE_DEPTH // 2:
                     self._resume_reading()
                 try:
@@ -435,13 +469,13 @@ class Connection(asyncio.Protocol):
                     log.exception("request handler failed")
                     resp = Response(500, error_body("internal_error"))
                 if self._server.stopping and not self._owed():
-                    keep_alive = False  # the last answer this connection owes
+                    connection = CLOSE  # the last answer this connection owes
                 if self._transport is None:
                     return
                 if observe is not None:  # first: a client that has its answer was counted
                     observe(req.path, resp.status, req.started_ns)
-                self._transport.write(encode(resp, keep_alive, req.method == b"HEAD"))
-                if not keep_alive:
+                self._transport.write(encode(resp, connection, req.method == b"HEAD"))
+                if connection is CLOSE:
                     self._closing = True
                     self._pipeline.clear()
                     self._transport.close()
@@ -495,7 +529,7 @@ class Connection(asyncio.Protocol):
         resp, path, started_ns = refusal
         if self._server.observe is not None:
             self._server.observe(path, resp.status, started_ns)
-        t.write(encode(resp, keep_alive=False))
+        t.write(encode(resp, CLOSE))
         # Close our side but keep reading (and discarding) for a moment, so the client
         # reads the answer instead of a reset caused by its unread bytes.
         if t.can_write_eof():
