@@ -394,6 +394,29 @@ def test_reset_tenant_forgets_fleet_and_node_buckets(redis_server: RedisServer) 
         run(body())
 
 
+def test_a_bucket_left_ahead_by_a_clock_step_holds_a_tenant_one_interval(
+    redis_server: RedisServer,
+) -> None:
+    """The bucket is kept in the server's microseconds: after its clock is stepped back
+    an hour, a tenant's TAT stands an hour and a burst ahead of it, and every host refused
+    the tenant for the hour. It counts as a full burst ahead: one interval."""
+    with segments(1) as (seg,):
+        cfg = fleet_config(redis_server.url, bare(seg), rate=10, burst=5)  # 100 ms apart
+        with redis_server.client() as r:
+            seconds, micros = r.time()
+            r.set(rl_key(), seconds * 1_000_000 + micros + 3_600_000_000 + 500_000)
+
+        async def body() -> tuple[Admitted, Admitted]:
+            async with open_fleet(cfg, seg) as fleet:
+                limited = await admit(fleet, cfg, "k1")
+                await asyncio.sleep(0.15)
+                return limited, await admit(fleet, cfg, "k2")
+
+        limited, later = run(body())
+        assert isinstance(limited, RateLimited) and limited.retry_ms <= 101, limited
+        claim_of(later)
+
+
 # -- round trips as the server counts them ----------------------------------------------------
 
 

@@ -1040,6 +1040,62 @@ def test_a_silent_worker_is_aborted_and_replaced(make: list[Service], tmp_path: 
     assert svc.post("github", body, signed(body)).status == 201
 
 
+def test_a_service_paused_whole_past_its_heartbeats_keeps_its_children(
+    make: list[Service], tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A host paused with its monotonic clock running (a frozen cgroup, a paused VM): every
+    child looks silent to a supervisor that wakes first, having had no more chance to run
+    than it had. All four were aborted and replaced, their clients' connections reset.
+    Silence now counts from the supervisor's waking up."""
+    svc = service(
+        make, tmp_path, fleet_config(redis_server), server={"heartbeat_timeout_s": 3.0}
+    ).start()
+    svc.one("drainer")
+    children = sorted(p.pid for p in svc.children())
+    assert len(children) == 4  # two workers, the drainer, the admin process
+    for pid in [svc.pid, *children]:
+        os.kill(pid, signal.SIGSTOP)
+    time.sleep(5.0)  # past heartbeat_timeout_s, and long enough to be told from a slow tick
+    os.kill(svc.pid, signal.SIGCONT)
+    time.sleep(0.5)
+    for pid in children:
+        os.kill(pid, signal.SIGCONT)
+    time.sleep(3.5)  # a heartbeat timeout since waking: what was aborted would be by now
+    log = svc.log()
+    assert "aborting" not in log, log
+    assert "the supervisor did not run for" in log
+    assert sorted(p.pid for p in svc.children()) == children
+    body = b"{}"
+    assert svc.post("github", body, signed(body)).status == 201
+    assert svc.stop() == 0
+
+
+def test_a_worker_killed_as_silent_is_recovered_from_its_last_heartbeat(
+    make: list[Service], tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A worker is killed heartbeat_timeout_s and more after it went silent, and may have
+    hung between a commit and its settle: the recovery looks back from its last heartbeat.
+    From its death, it looked back lock_timeout_ms and a second, and promoted nothing it
+    had stored before it hung (a retry to another host was then stored again)."""
+    svc = service(
+        make,
+        tmp_path,
+        fleet_config(redis_server),
+        server={"heartbeat_timeout_s": 3.0},
+        store={"lock_timeout_ms": 200},
+    ).start()
+    for i in range(10):
+        body = b'{"n":%d}' % i
+        assert svc.post("github", body, signed(body, f"before-hang-{i}")).status == 201
+    hung = svc.pids("worker")[0]
+    os.kill(hung, signal.SIGSTOP)
+    wait_until(lambda: f"worker {hung} died" in svc.log(), timeout=20, what="the hung one killed")
+    wait_until(lambda: "recovery:" in svc.log(), what="the recovery")
+    found = re.search(r"recovery: (\d+) promotes queued", svc.log())
+    assert found is not None and int(found.group(1)) == 10, svc.log()
+    assert svc.stop() == 0
+
+
 def test_a_worker_that_cannot_boot_stops_the_supervisor(
     make: list[Service], tmp_path: Path
 ) -> None:

@@ -24,7 +24,7 @@ from ankusa_shm.admin.app import App
 from ankusa_shm.admin.consumer_api import CommitWatch, ConsumerApi
 from ankusa_shm.admin.stores import StoreCalls
 from ankusa_shm.child import BootError, Life, freeze_heap
-from ankusa_shm.clock import wall_ms
+from ankusa_shm.clock import SteadyWall
 from ankusa_shm.config import Config
 from ankusa_shm.credentials import MissingSecret, admin_token, fleet_password
 from ankusa_shm.fleet.admission import Fleet
@@ -39,6 +39,7 @@ from ankusa_shm.store.schema import StoreError
 log = logging.getLogger("ankusa_shm.admin")
 
 BODY_BYTES = 64 * 1024  # an admin body is a few bytes of JSON: any client, token or not
+STEP_MS = 60_000  # a wall clock this far ahead of the steady one was stepped: said once
 RETAIN_BATCH = 500
 RETAIN_PAUSE_S = 0.01  # between two batches: the writers' turn on the lock
 
@@ -99,10 +100,21 @@ async def _serve(
 
 async def _retention(store: StoreCalls, cfg: config.Store, keep_ms: int) -> None:
     """Every ``retention_interval_s``: delete what is older than ``retention`` and acked
-    by every named consumer."""
+    by every named consumer, by a wall clock that a forward step does not move on (a step
+    of a day deleted the hooks of the last minute, read by no one): the hooks received
+    after such a step are kept until a restart takes the clock as it is then."""
+    now = SteadyWall()
+    warned = False
     while True:
+        if not warned and now.ahead_ms() > STEP_MS:
+            warned = True
+            log.warning(
+                "the wall clock was stepped %.0f s forward; retention goes by where it was"
+                " plus the time since, until the admin process restarts",
+                now.ahead_ms() / 1000,
+            )
         try:
-            gone = await retain(store, wall_ms() - keep_ms)
+            gone = await retain(store, now() - keep_ms)
         except StoreError as e:
             log.warning("retention: %s", e)
         else:

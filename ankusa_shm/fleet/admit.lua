@@ -32,6 +32,10 @@ if charge then
   now = tonumber(t[1]) * 1000000 + tonumber(t[2])
   tat = tonumber(redis.call('GET', KEYS[1]) or '0')
   if tat < now then tat = now end
+  -- Never more than a full burst ahead, which is as far as admits take it: after the
+  -- server's clock is stepped back, a tenant is limited for one interval, not for the step
+  -- (kept so: written back, even if nothing is admitted).
+  if tat > now + span then tat, lead = now + span, span end
 end
 
 local refused

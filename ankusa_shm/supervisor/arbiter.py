@@ -63,6 +63,9 @@ FAST_STOP_S = 2.0  # INT/QUIT: how long children get before SIGKILL
 YOUNG_S = 1.0  # a child dying younger than this backs off its respawn
 BACKOFF_MAX_S = 5.0
 TICK_S = 1.0
+# A loop that comes round this much later than its tick did not run meanwhile: stopped,
+# or the host paused (a frozen cgroup, a paused VM) with the monotonic clock running on.
+PAUSED_S = 3 * TICK_S
 
 _HANDLED = (
     signal.SIGTERM,
@@ -98,6 +101,7 @@ class Child:
     resetting: list[str] = field(default_factory=list)  # a worker's: buckets it forgets first
     retired_at: float | None = None  # monotonic s when it was told to stop
     abort_sent: float | None = None  # monotonic s of the SIGABRT for a silent heartbeat
+    heard_ms: int | None = None  # monotonic ms of its heartbeat when last looked at
 
     @property
     def retiring(self) -> bool:
@@ -137,6 +141,8 @@ class Arbiter:
         # workers serve; before, it stops the service.
         self._served: set[Kind] = set()
         self._last_watchdog = 0.0
+        self._ticked = time.monotonic()  # when the loop last came round
+        self._awake_since = 0.0  # monotonic s: silence before it is not the children's
         self._seg: Segment | None = None
         self._queue: SettleQueue | None = None
         self._other_drainer: int | None = None  # pid of a live consumer that is not ours
@@ -237,6 +243,7 @@ class Arbiter:
                 self._wait()
                 continue
             self._keep_running(now)
+            self._notice_pause(now)
             self._watch_heartbeats(now)
             self._report(now)
             self._wait()
@@ -456,8 +463,8 @@ class Arbiter:
         if c.kind is Kind.DRAINER and code == child.QUEUE_TAKEN:
             return  # started again only once that consumer is gone (``_drainer_elsewhere``)
         log.warning("%s %d died (%s); starting another", c.kind.value, c.pid, how)
-        if c.kind is Kind.WORKER:
-            self._recover_from(recovery.start(c.cfg))
+        if c.kind is Kind.WORKER:  # from its last heartbeat: it may have hung long before
+            self._recover_from(recovery.start(c.cfg, recovery.wall_of(c.heard_ms)))
         self._back_off(c.kind, young=time.monotonic() - c.started < YOUNG_S)
 
     def _recover_from(self, since_ms: int) -> None:
@@ -617,6 +624,19 @@ class Arbiter:
             self.notifier.send(self._status())
         return other is not None
 
+    def _notice_pause(self, now: float) -> None:
+        """After a pause of the supervisor (or of the whole service: a host suspended with
+        its monotonic clock running) every child looks silent, having had no more chance to
+        run than we had: all were aborted and replaced, connections and all. Their silence
+        counts from our waking up instead."""
+        if now - self._ticked > PAUSED_S:
+            self._awake_since = now
+            log.warning(
+                "the supervisor did not run for %.1f s; its children's silence counts from now",
+                now - self._ticked,
+            )
+        self._ticked = now
+
     def _watch_heartbeats(self, now: float) -> None:
         assert self._seg is not None
         # Live slots only: a dead holder's slot may name a pid the kernel has since given
@@ -629,24 +649,24 @@ class Arbiter:
         # slow upload short at heartbeat_timeout_s.
         stopping_ms = (self.cfg.server.graceful_timeout_s + KILL_AFTER_S) * 1000
         now_ms = monotonic_ms()
+        awake = self._awake_since
         for c in self._children.values():
             if c.abort_sent is not None:
                 if now - c.abort_sent > KILL_AFTER_S:
                     _kill(c.pid, signal.SIGKILL)
                 continue
             beat = beats.get(c.pid)
+            if beat is not None:
+                c.heard_ms = beat
             if c.retired_at is not None:
-                how, quiet_ms, limit_ms = (
-                    "still stopping after",
-                    (now - c.retired_at) * 1000,
-                    stopping_ms,
-                )
+                how, quiet_s, limit_ms = "still stopping after", c.retired_at, stopping_ms
             elif not c.ready:
-                how, quiet_ms, limit_ms = "not serving after", (now - c.started) * 1000, silent_ms
+                how, quiet_s, limit_ms = "not serving after", c.started, silent_ms
             elif beat is not None:
-                how, quiet_ms, limit_ms = "silent for", now_ms - beat, silent_ms
+                how, quiet_s, limit_ms = "silent for", beat / 1000, silent_ms
             else:
                 continue
+            quiet_ms = now_ms - max(quiet_s, awake) * 1000
             if quiet_ms > limit_ms:
                 log.error("%s %d %s %.1f s; aborting it", c.kind.value, c.pid, how, quiet_ms / 1000)
                 c.abort_sent = now

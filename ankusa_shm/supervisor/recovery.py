@@ -63,10 +63,12 @@ def last_heard_ms(seg: Segment) -> int | None:
     """When the last supervisor's workers were last heard from, on the wall clock: their
     latest heartbeat (monotonic, so it keeps across processes) moved to it. A restart
     that comes long after a crash must still look back from the crash."""
-    beat = _last_beat_ms(seg)
-    if beat is None:
-        return None
-    return wall_ms() - (monotonic_ms() - beat)
+    return wall_of(_last_beat_ms(seg))
+
+
+def wall_of(mono_ms: int | None) -> int | None:
+    """A moment on the monotonic clock (ms), moved to the wall clock."""
+    return None if mono_ms is None else wall_ms() - (monotonic_ms() - mono_ms)
 
 
 def _last_beat_ms(seg: Segment) -> int | None:
