@@ -3,7 +3,9 @@ real service, real sockets, a real open-file limit."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import socket
 import sys
 import time
@@ -109,6 +111,34 @@ def test_blank_lines_between_requests_leave_a_connection_idle(svc: Service) -> N
     finally:
         for s in idle:
             s.close()
+
+
+def test_requests_sent_while_their_worker_was_stopped_are_answered(tmp_path: Path) -> None:
+    """A worker that did not run for longer than the keep-alive (stopped, the host
+    paused) woke to its overdue sweep before it read anything: its kept-alive
+    connections were past their deadline, and each was reset with the request its client
+    had sent meanwhile unread (all 20 of 5 rounds of 4)."""
+    svc = Service(tmp_path, DEMO, server={"workers": 1, "keepalive_timeout_s": 1.0})
+    try:
+        svc.start()
+        (worker,) = svc.pids("worker")
+        for _ in range(2):
+            clients = [svc.connection() for _ in range(4)]
+            for c in clients:
+                assert svc.post("demo", b'{"n": 1}', conn=c).status == 201
+            os.kill(worker, signal.SIGSTOP)
+            try:
+                time.sleep(2.5)  # past the keep-alive
+                for c in clients:
+                    c.request("POST", "/hooks/demo", body=b'{"n": 2}')
+                time.sleep(0.1)
+            finally:
+                os.kill(worker, signal.SIGCONT)
+            for c in clients:
+                assert c.getresponse().status == 201
+                c.close()
+    finally:
+        svc.close()
 
 
 def test_at_the_cap_with_none_idle_the_new_connection_is_closed(svc: Service) -> None:

@@ -48,6 +48,7 @@ from ankusa_shm.shm.counters import Counter, CounterRow
 log = logging.getLogger("ankusa_shm.http")
 
 SWEEP_S = 0.25
+LATE_S = 1.0  # a sweep this much behind is skipped: the process did not run meanwhile
 PIPELINE_DEPTH = 16  # requests parsed ahead of their answers before reading pauses
 # Parsed at a time, so that a read holding a burst of requests stops being parsed near
 # the pipeline's depth: 2,000 pipelined in one read once took 1.7 MiB of heap, kept by
@@ -681,9 +682,18 @@ class HttpServer:
             )
 
     async def _sweep(self) -> None:
+        """Check every connection's deadlines each ``SWEEP_S``. A sweep that comes a
+        second or more late is skipped: the process did not run meanwhile (stopped, the
+        host paused), and after a pause the loop runs its overdue timers before it reads
+        (libuv), so a keep-alive ended then was reset with the request its client sent
+        meanwhile unread."""
+        swept = time.monotonic()
         while True:
             await asyncio.sleep(SWEEP_S)
             now = time.monotonic()
+            late, swept = now - swept > SWEEP_S + LATE_S, now
+            if late:
+                continue
             for conn in list(self.connections):
                 conn.check_deadline(now)
 
