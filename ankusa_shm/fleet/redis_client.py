@@ -113,8 +113,14 @@ class _Callback:
         return self._called
 
     def set_result(self, replies: list[Reply]) -> None:
+        """A ``then`` that cannot read the replies fails as a call that got none: raised
+        into the read callback, it ended the connection of every other call and left its
+        own waiters unanswered."""
         self._called = True
-        self._then(replies)
+        try:
+            self._then(replies)
+        except Exception as e:
+            self._then(RedisError(f"reply not understood: {e!r}"[:200]))
 
     def set_exception(self, exc: BaseException) -> None:
         self._called = True
@@ -163,6 +169,8 @@ class Connection(asyncio.Protocol):
                 self._deliver(reply)
         except ProtocolError as e:
             self.close(RedisError(f"protocol error: {e}"))
+        except Exception as e:  # hiredis on what it cannot hold: a map keyed by an array,
+            self.close(RedisError(f"unreadable reply: {e!r}"[:200]))  # *4294967295
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.close(ConnectionLost(f"connection lost: {exc}" if exc else "connection closed"))
@@ -538,9 +546,9 @@ class ClusterClient:
                     await self.refresh()
             asks = [i for i in redirected if str(replies[i]).startswith("ASK ")]
             for i in asks:
-                host, _, port = str(replies[i]).split()[2].rpartition(":")
-                asking = [("ASKING",), commands[i][1]]
-                rs = await self._pipeline((host, int(port)), asking, deadline)
+                rs = await self._pipeline(
+                    _asked(replies[i]), [("ASKING",), commands[i][1]], deadline
+                )
                 replies[i] = rs[1]
             todo = [i for i in redirected if i not in asks]
         return replies
@@ -608,13 +616,19 @@ class ClusterClient:
 
     def _use_map(self, ranges: list[Any], asked_host: str) -> None:
         """Install a ``CLUSTER SLOTS`` answer; a node named without a host is on the
-        host that answered."""
+        host that answered. One that is not a slot map is a RedisError: a range past the
+        16384 slots made a list as long as it said."""
         slots: list[tuple[str, int] | None] = [None] * 16384
         peers = [(self._seed.host, self._seed.port)]
-        for start, end, *nodes in ranges:
-            owners = [(n[0].decode() or asked_host, int(n[1])) for n in nodes]
-            slots[start : end + 1] = [owners[0]] * (end + 1 - start)
-            peers += owners
+        try:
+            for start, end, *nodes in ranges:
+                if not 0 <= start <= end < 16384:
+                    raise ValueError(f"slots {start}-{end}")
+                owners = [(n[0].decode() or asked_host, _port(n[1])) for n in nodes]
+                slots[start : end + 1] = [owners[0]] * (end + 1 - start)
+                peers += owners
+        except (ValueError, TypeError, IndexError, AttributeError) as e:
+            raise RedisError(f"CLUSTER SLOTS answered no slot map: {e!r}"[:200]) from None
         self._slots = slots
         self._peers = list(dict.fromkeys(peers))
         self._loaded = True
@@ -622,6 +636,25 @@ class ClusterClient:
     async def close(self) -> None:
         for c in self._nodes.values():
             await c.close()
+
+
+def _asked(reply: Reply) -> tuple[str, int]:
+    """The node an ``ASK <slot> <host>:<port>`` redirect names, or a RedisError."""
+    parts = str(reply).split()
+    host, _, port = parts[2].rpartition(":") if len(parts) == 3 else ("", "", "")
+    try:
+        if host:
+            return host, _port(port)
+    except ValueError:
+        pass
+    raise RedisError(f"a redirect that names no node: {str(reply)[:80]!r}")
+
+
+def _port(value: Any) -> int:
+    port = int(value)
+    if not 0 < port < 65536:
+        raise ValueError(f"port {port}")
+    return port
 
 
 def _within(deadline: float) -> asyncio.Timeout:

@@ -32,8 +32,9 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 
@@ -249,7 +250,10 @@ class RedisStore:
         errors = [r for r in replies if isinstance(r, ReplyError)]
         if errors:
             raise errors[0]
-        return sum(int(r[0]) for r in replies), sum(int(r[1]) for r in replies)
+        if not all(isinstance(r, list) and len(r) == 2 and _counts(r) for r in replies):
+            # the drainer keeps the records and tries again, as after an error
+            raise RedisError(f"settle.lua answered {str(replies)[:80]!r}")
+        return sum(r[0] for r in replies), sum(r[1] for r in replies)
 
     async def memory(self, deadline: float = _NEVER) -> Memory | None:
         """What the server says of its memory limit and evictions (``INFO memory`` and
@@ -355,16 +359,44 @@ class _Ask:
 
 def _hand_out(asks: Sequence[_Ask], reply: Reply) -> None:
     """Each hook its part of admit.lua's reply. Called from the read callback: a reply of
-    the wrong shape fails these hooks, and must not raise into the connection."""
+    the wrong shape fails these hooks, every one of them (they fall back on this host's
+    answer), and must not raise into the connection."""
     if isinstance(reply, ReplyError):
         _fail(asks, reply)
         return
-    if not isinstance(reply, list) or len(reply) != 2 * len(asks):
+    if not _fits(reply, len(asks)):
         _fail(asks, RedisError(f"admit.lua answered {str(reply)[:80]!r}"))
         return
     for j, a in enumerate(asks):
         if not a.future.done():  # its caller may have given up
-            a.future.set_result((int(reply[2 * j]), reply[2 * j + 1]))
+            a.future.set_result((reply[2 * j], reply[2 * j + 1]))
+
+
+def _counts(pair: list[Reply]) -> bool:
+    return all(type(n) is int and n >= 0 for n in pair)
+
+
+def _fits(reply: Reply, hooks: int) -> bool:
+    """Whether ``reply`` is admit.lua's for ``hooks`` hooks: a verdict and its value each."""
+    if not (isinstance(reply, list) and len(reply) == 2 * hooks):
+        return False
+    for verdict, value in zip(reply[::2], reply[1::2], strict=True):
+        fits = _VERDICT_VALUES.get(verdict) if type(verdict) is int else None
+        if fits is None or not fits(value):
+            return False
+    return True
+
+
+# What each verdict of admit.lua comes with. A duplicate's hook id is put into an answer's
+# JSON as it is, so it must look like one (every id this service makes does).
+_HOOK_ID = re.compile(rb"[0-9A-Za-z_-]{1,64}")
+_VERDICT_VALUES: dict[int, Callable[[Reply], bool]] = {
+    ADMITTED: lambda x: x == 0,
+    DUPLICATE: lambda x: isinstance(x, bytes) and _HOOK_ID.fullmatch(x) is not None,
+    PENDING: lambda x: type(x) is int and x >= 0,
+    LIMITED: lambda x: type(x) is int and x >= 0,
+    UNRECORDED: lambda x: isinstance(x, bytes),
+}
 
 
 def _fail(asks: Sequence[_Ask], e: BaseException) -> None:
