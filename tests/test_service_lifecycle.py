@@ -1050,9 +1050,9 @@ def test_a_service_paused_whole_past_its_heartbeats_keeps_its_children(
     svc = service(
         make, tmp_path, fleet_config(redis_server), server={"heartbeat_timeout_s": 3.0}
     ).start()
-    svc.one("drainer")
+    # two workers, the drainer and the admin process, the last two started beside READY
+    wait_until(lambda: len(svc.children()) == 4, what="every child")
     children = sorted(p.pid for p in svc.children())
-    assert len(children) == 4  # two workers, the drainer, the admin process
     for pid in [svc.pid, *children]:
         os.kill(pid, signal.SIGSTOP)
     time.sleep(5.0)  # past heartbeat_timeout_s, and long enough to be told from a slow tick
