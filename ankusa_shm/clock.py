@@ -28,6 +28,11 @@ def wall_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+def wall_of(mono_ms: int | None) -> int | None:
+    """A moment on the monotonic clock (ms), moved to the wall clock."""
+    return None if mono_ms is None else wall_ms() - (monotonic_ms() - mono_ms)
+
+
 class SteadyWall:
     """The wall clock, but never ahead of where it stood when this was made plus the
     monotonic time since: for deciding what is old enough to delete. A host that booted

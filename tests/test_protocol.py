@@ -22,6 +22,13 @@ from ankusa_shm.http.protocol import (
 LIMITS = Limits.of(config.Server(max_connections=16))
 
 
+async def _serve(handler: Callable[[Request], Awaitable[Response]]) -> tuple[HttpServer, int]:
+    server = HttpServer(handler, LIMITS)
+    listener = socket.create_server(("127.0.0.1", 0))
+    await server.start([listener], 16)
+    return server, listener.getsockname()[1]
+
+
 def test_a_pipelined_burst_is_parsed_only_as_deep_as_the_pipeline() -> None:
     """2,000 requests in one burst, none answered yet: the connection parses about as many
     as its pipeline holds and keeps the rest as the bytes they came as, which take a
@@ -43,10 +50,8 @@ def test_a_pipelined_burst_is_parsed_only_as_deep_as_the_pipeline() -> None:
             handled.append(req.body)
             return Response(201, b"{}")
 
-        server = HttpServer(handler, LIMITS)
-        listener = socket.create_server(("127.0.0.1", 0))
-        await server.start([listener], 16)
-        reader, writer = await asyncio.open_connection(*listener.getsockname()[:2])
+        server, port = await _serve(handler)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(burst)
         writer.write_eof()
         await asyncio.sleep(0.5)  # for the server to read what it will
@@ -64,13 +69,6 @@ def test_a_pipelined_burst_is_parsed_only_as_deep_as_the_pipeline() -> None:
     assert held > len(burst) // 2
     assert handled == bodies
     assert answers.count(b"HTTP/1.1 201 Created\r\n") == len(bodies)
-
-
-async def _serve(handler: Callable[[Request], Awaitable[Response]]) -> tuple[HttpServer, int]:
-    server = HttpServer(handler, LIMITS)
-    listener = socket.create_server(("127.0.0.1", 0))
-    await server.start([listener], 16)
-    return server, listener.getsockname()[1]
 
 
 def _tiny_chunks(n: int) -> bytes:

@@ -106,12 +106,12 @@ async def _retention(store: StoreCalls, cfg: config.Store, keep_ms: int) -> None
     now = SteadyWall()
     warned = False
     while True:
-        if not warned and now.ahead_ms() > STEP_MS:
+        if not warned and (ahead_ms := now.ahead_ms()) > STEP_MS:
             warned = True
             log.warning(
                 "the wall clock was stepped %.0f s forward; retention goes by where it was"
                 " plus the time since, until the admin process restarts",
-                now.ahead_ms() / 1000,
+                ahead_ms / 1000,
             )
         try:
             gone = await retain(store, now() - keep_ms)

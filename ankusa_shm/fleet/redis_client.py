@@ -169,8 +169,9 @@ class Connection(asyncio.Protocol):
                 self._deliver(reply)
         except ProtocolError as e:
             self.close(RedisError(f"protocol error: {e}"))
-        except Exception as e:  # hiredis on what it cannot hold: a map keyed by an array,
-            self.close(RedisError(f"unreadable reply: {e!r}"[:200]))  # *4294967295
+        # hiredis on what it cannot hold (``*4294967295``, a map keyed by an array)
+        except Exception as e:
+            self.close(RedisError(f"unreadable reply: {e!r}"[:200]))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.close(ConnectionLost(f"connection lost: {exc}" if exc else "connection closed"))
@@ -624,7 +625,9 @@ class ClusterClient:
             for start, end, *nodes in ranges:
                 if not 0 <= start <= end < 16384:
                     raise ValueError(f"slots {start}-{end}")
-                owners = [(n[0].decode() or asked_host, _port(n[1])) for n in nodes]
+                owners = [(n[0].decode() or asked_host, int(n[1])) for n in nodes]
+                if not all(0 < port < 65536 for _, port in owners):
+                    raise ValueError("a port out of range")
                 slots[start : end + 1] = [owners[0]] * (end + 1 - start)
                 peers += owners
         except (ValueError, TypeError, IndexError, AttributeError) as e:
@@ -642,19 +645,9 @@ def _asked(reply: Reply) -> tuple[str, int]:
     """The node an ``ASK <slot> <host>:<port>`` redirect names, or a RedisError."""
     parts = str(reply).split()
     host, _, port = parts[2].rpartition(":") if len(parts) == 3 else ("", "", "")
-    try:
-        if host:
-            return host, _port(port)
-    except ValueError:
-        pass
-    raise RedisError(f"a redirect that names no node: {str(reply)[:80]!r}")
-
-
-def _port(value: Any) -> int:
-    port = int(value)
-    if not 0 < port < 65536:
-        raise ValueError(f"port {port}")
-    return port
+    if not (host and port.isdigit() and 0 < int(port) < 65536):
+        raise RedisError(f"a redirect that names no node: {str(reply)[:80]!r}")
+    return host, int(port)
 
 
 def _within(deadline: float) -> asyncio.Timeout:

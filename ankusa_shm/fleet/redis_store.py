@@ -250,7 +250,7 @@ class RedisStore:
         errors = [r for r in replies if isinstance(r, ReplyError)]
         if errors:
             raise errors[0]
-        if not all(isinstance(r, list) and len(r) == 2 and _counts(r) for r in replies):
+        if not all(isinstance(r, list) and len(r) == 2 and all(map(_count, r)) for r in replies):
             # the drainer keeps the records and tries again, as after an error
             raise RedisError(f"settle.lua answered {str(replies)[:80]!r}")
         return sum(r[0] for r in replies), sum(r[1] for r in replies)
@@ -372,8 +372,9 @@ def _hand_out(asks: Sequence[_Ask], reply: Reply) -> None:
             a.future.set_result((reply[2 * j], reply[2 * j + 1]))
 
 
-def _counts(pair: list[Reply]) -> bool:
-    return all(type(n) is int and n >= 0 for n in pair)
+def _count(value: Reply) -> bool:
+    """A whole number of at least 0, as Lua's integers come back (not RESP3's booleans)."""
+    return type(value) is int and value >= 0
 
 
 def _fits(reply: Reply, hooks: int) -> bool:
@@ -393,8 +394,8 @@ _HOOK_ID = re.compile(rb"[0-9A-Za-z_-]{1,64}")
 _VERDICT_VALUES: dict[int, Callable[[Reply], bool]] = {
     ADMITTED: lambda x: x == 0,
     DUPLICATE: lambda x: isinstance(x, bytes) and _HOOK_ID.fullmatch(x) is not None,
-    PENDING: lambda x: type(x) is int and x >= 0,
-    LIMITED: lambda x: type(x) is int and x >= 0,
+    PENDING: _count,
+    LIMITED: _count,
     UNRECORDED: lambda x: isinstance(x, bytes),
 }
 

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import setproctitle
 
 from ankusa_shm import child, config, fds, overrides
-from ankusa_shm.clock import monotonic_ms
+from ankusa_shm.clock import monotonic_ms, wall_of
 from ankusa_shm.config import Config
 from ankusa_shm.shm import procs, requests, segment
 from ankusa_shm.shm.procs import Role
@@ -464,7 +464,7 @@ class Arbiter:
             return  # started again only once that consumer is gone (``_drainer_elsewhere``)
         log.warning("%s %d died (%s); starting another", c.kind.value, c.pid, how)
         if c.kind is Kind.WORKER:  # from its last heartbeat: it may have hung long before
-            self._recover_from(recovery.start(c.cfg, recovery.wall_of(c.heard_ms)))
+            self._recover_from(recovery.start(c.cfg, wall_of(c.heard_ms)))
         self._back_off(c.kind, young=time.monotonic() - c.started < YOUNG_S)
 
     def _recover_from(self, since_ms: int) -> None:
@@ -659,14 +659,14 @@ class Arbiter:
             if beat is not None:
                 c.heard_ms = beat
             if c.retired_at is not None:
-                how, quiet_s, limit_ms = "still stopping after", c.retired_at, stopping_ms
+                how, since_s, limit_ms = "still stopping after", c.retired_at, stopping_ms
             elif not c.ready:
-                how, quiet_s, limit_ms = "not serving after", c.started, silent_ms
+                how, since_s, limit_ms = "not serving after", c.started, silent_ms
             elif beat is not None:
-                how, quiet_s, limit_ms = "silent for", beat / 1000, silent_ms
+                how, since_s, limit_ms = "silent for", beat / 1000, silent_ms
             else:
                 continue
-            quiet_ms = now_ms - max(quiet_s, awake) * 1000
+            quiet_ms = now_ms - max(since_s, awake) * 1000
             if quiet_ms > limit_ms:
                 log.error("%s %d %s %.1f s; aborting it", c.kind.value, c.pid, how, quiet_ms / 1000)
                 c.abort_sent = now

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ankusa_shm.clock import monotonic_ms, wall_ms
+from ankusa_shm.clock import monotonic_ms, wall_ms, wall_of
 from ankusa_shm.config import Config
 from ankusa_shm.fleet.seen import Seen
 from ankusa_shm.shm import procs
@@ -64,11 +64,6 @@ def last_heard_ms(seg: Segment) -> int | None:
     latest heartbeat (monotonic, so it keeps across processes) moved to it. A restart
     that comes long after a crash must still look back from the crash."""
     return wall_of(_last_beat_ms(seg))
-
-
-def wall_of(mono_ms: int | None) -> int | None:
-    """A moment on the monotonic clock (ms), moved to the wall clock."""
-    return None if mono_ms is None else wall_ms() - (monotonic_ms() - mono_ms)
 
 
 def _last_beat_ms(seg: Segment) -> int | None:
